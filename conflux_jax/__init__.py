@@ -1,0 +1,1 @@
+"""conflux_jax: a JAX-native LLM serving engine with Conflux Parallelism."""

@@ -1,0 +1,87 @@
+"""The parameter layout every loader produces and the decoder consumes.
+
+A nested dict of arrays; matrices are stored ``[in, out]`` so the forward is ``x @ w``
+(HF and GGUF store ``[out, in]``: loaders transpose). Per-layer weights are stacked on a
+leading ``[L]`` axis so the decoder runs its layers with ``lax.scan``::
+
+    embed        f[V, D]
+    final_norm   f[D]
+    lm_head      f[D, V]          absent when the embeddings are tied
+    layers:
+      attn_norm  f[L, D]
+      wq         f[L, D, Hq*d]
+      wk         f[L, D, Hkv*d]
+      wv         f[L, D, Hkv*d]
+      wo         f[L, Hq*d, D]
+      q_norm     f[L, d]          Qwen3 only (config.qk_norm)
+      k_norm     f[L, d]          Qwen3 only
+      mlp_norm   f[L, D]
+      w_gate     f[L, D, F]
+      w_up       f[L, D, F]
+      w_down     f[L, F, D]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from conflux_jax.config import ModelConfig
+
+Params = dict[str, Any]  # nested dict of arrays, layout above
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, unsupported or does not match its config."""
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    """The expected shape of every parameter, as a nested dict of tuples."""
+    c = config
+    L, D, F, d = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
+    layers: dict[str, tuple[int, ...]] = {
+        "attn_norm": (L, D),
+        "wq": (L, D, c.num_heads * d),
+        "wk": (L, D, c.num_kv_heads * d),
+        "wv": (L, D, c.num_kv_heads * d),
+        "wo": (L, c.num_heads * d, D),
+        "mlp_norm": (L, D),
+        "w_gate": (L, D, F),
+        "w_up": (L, D, F),
+        "w_down": (L, F, D),
+    }
+    if c.qk_norm:
+        layers["q_norm"] = (L, d)
+        layers["k_norm"] = (L, d)
+    shapes: dict[str, Any] = {"embed": (c.vocab_size, D), "final_norm": (D,), "layers": layers}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (D, c.vocab_size)
+    return shapes
+
+
+def validate_params(config: ModelConfig, params: Mapping[str, Any], source: str) -> None:
+    """Raise ``CheckpointError`` naming ``source`` if ``params`` does not match ``config``."""
+    expected = param_shapes(config)
+    problems: list[str] = []
+
+    def walk(exp: Mapping[str, Any], got: Mapping[str, Any], prefix: str) -> None:
+        for key, shape in exp.items():
+            name = f"{prefix}{key}"
+            if key not in got:
+                problems.append(f"missing weight {name}")
+            elif isinstance(shape, dict):
+                if not isinstance(got[key], Mapping):
+                    problems.append(f"{name} should be a group of weights")
+                else:
+                    walk(shape, got[key], f"{name}.")
+            elif tuple(got[key].shape) != shape:
+                problems.append(
+                    f"{name} has shape {tuple(got[key].shape)}, config expects {shape}")
+        for key in got:
+            if key not in exp:
+                problems.append(f"unexpected weight {prefix}{key}")
+
+    walk(expected, params, "")
+    if problems:
+        shown = "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
+        raise CheckpointError(f"{source}: weights do not match the config: {shown}")
