@@ -109,6 +109,9 @@ class ModelConfig:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
             head_dim = int(hf.get("head_dim") or hidden // num_heads)
+            # transformers >= 5 writes `rope_parameters` (theta included); older files
+            # have `rope_theta` plus an optional `rope_scaling`.
+            rope = dict(hf.get("rope_parameters") or {})
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             return cls(
@@ -120,8 +123,8 @@ class ModelConfig:
                 num_heads=num_heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=_rope_scaling_from_hf(hf.get("rope_scaling"), source),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling_from_hf(rope or hf.get("rope_scaling"), source),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
