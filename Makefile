@@ -1,0 +1,20 @@
+# Quick start: `make generate` (or `make serve` once the server lands) and `make test`.
+PY := .venv/bin/python
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
+
+.PHONY: setup setup-test generate test lint
+
+setup:
+	scripts/setup.sh
+
+setup-test:
+	scripts/setup.sh test,reference
+
+generate: setup
+	$(PY) -m conflux_jax chat "What is the capital of France?"
+
+test: setup-test
+	$(PY) -m pytest -q
+
+lint: setup-test
+	.venv/bin/ruff check .

@@ -1,0 +1,3 @@
+from conflux_jax.checkpoints.convert import main
+
+raise SystemExit(main())
