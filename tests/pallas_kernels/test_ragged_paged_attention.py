@@ -1,0 +1,535 @@
+"""Tests for pallas_kernels.ragged_paged_attention against a float64 numpy oracle."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import _common
+from pallas_kernels.ragged_paged_attention import (
+    BlockSizes,
+    default_block_sizes,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+rpa_mod = importlib.import_module("pallas_kernels.ragged_paged_attention")
+
+# Compiled Pallas only where a GPU is present; interpret runs the same kernel body anywhere.
+IMPLS = _common.impls_under_test()
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+SETTINGS = settings(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# --------------------------------------------------------------------------------------------
+# float64 oracle: plain dense softmax per sequence, independent of both implementations
+# --------------------------------------------------------------------------------------------
+
+
+def oracle(case: dict[str, Any]) -> np.ndarray:
+    """f64[T, Hq, d] reference output for ``case`` (rows of non-live tokens are zero)."""
+    q = np.asarray(case["q"]).astype(np.float64)
+    kp = np.asarray(case["k_pages"]).astype(np.float64)
+    vp = np.asarray(case["v_pages"]).astype(np.float64)
+    kv_lens, pt, cu = case["kv_lens"], case["page_indices"], case["cu_q_lens"]
+    t, hq, d = q.shape
+    ps, hkv = kp.shape[1], kp.shape[2]
+    scale = case.get("sm_scale") or 1.0 / math.sqrt(d)
+    out = np.zeros((t, hq, d))
+    for s in range(int(case["num_seqs"])):
+        a, b, kv_len = int(cu[s]), int(cu[s + 1]), int(kv_lens[s])
+        if a == b:
+            continue
+        pos = np.arange(kv_len)
+        k = np.repeat(kp[pt[s, pos // ps], pos % ps], hq // hkv, axis=1)  # [L, Hq, d]
+        v = np.repeat(vp[pt[s, pos // ps], pos % ps], hq // hkv, axis=1)
+        logits = np.einsum("qhd,lhd->hql", q[a:b], k) * scale
+        q_pos = kv_len - (b - a) + np.arange(b - a)
+        logits = np.where(pos[None, None, :] <= q_pos[None, :, None], logits, -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        out[a:b] = np.einsum("hql,lhd->qhd", w, v)
+    return out
+
+
+def make_case(
+    rng: np.random.Generator,
+    *,
+    q_lens: list[int],
+    histories: list[int],
+    max_seqs: int,
+    num_tokens: int,
+    head_dim: int,
+    page_size: int,
+    num_kv_heads: int,
+    ratio: int,
+    pages_per_seq: int,
+    dtype: Any = jnp.float32,
+    extra_pages: int = 3,
+) -> dict[str, Any]:
+    """A batch whose first len(q_lens) sequences are live; everything else is garbage."""
+    n = len(q_lens)
+    assert n <= max_seqs and sum(q_lens) <= num_tokens
+    num_pages = max_seqs * pages_per_seq + extra_pages
+    hq = num_kv_heads * ratio
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = rng.integers(-5, 3 * num_tokens, max_seqs - n)  # garbage, even decreasing
+    kv_lens = rng.integers(-3, 10_000, max_seqs).astype(np.int32)  # garbage past num_seqs
+    kv_lens[:n] = np.asarray(q_lens) + np.asarray(histories)
+    # Unused page-table slots hold garbage, including indices outside the pool.
+    pt = rng.integers(-num_pages, 2 * num_pages, (max_seqs, pages_per_seq)).astype(np.int32)
+    perm = rng.permutation(num_pages)
+    for s in range(n):
+        used = -(-int(kv_lens[s]) // page_size)
+        assert used <= pages_per_seq
+        pt[s, :used] = perm[s * pages_per_seq : s * pages_per_seq + used]
+
+    def rand(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+    return dict(
+        q=rand(num_tokens, hq, head_dim),
+        k_pages=rand(num_pages, page_size, num_kv_heads, head_dim),
+        v_pages=rand(num_pages, page_size, num_kv_heads, head_dim),
+        kv_lens=kv_lens,
+        page_indices=pt,
+        cu_q_lens=cu,
+        num_seqs=np.int32(n),
+    )
+
+
+def run(case: dict[str, Any], impl: str, **kw: Any) -> np.ndarray:
+    out = ragged_paged_attention(
+        case["q"],
+        case["k_pages"],
+        case["v_pages"],
+        case["kv_lens"],
+        case["page_indices"],
+        case["cu_q_lens"],
+        case["num_seqs"],
+        sm_scale=case.get("sm_scale"),
+        impl=impl,
+        **kw,
+    )
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    return np.asarray(out.astype(jnp.float32))
+
+
+def check(case: dict[str, Any], out: np.ndarray, dtype: Any = jnp.float32) -> None:
+    want = oracle(case)
+    assert np.isfinite(out).all(), "non-finite output"
+    live_end = int(case["cu_q_lens"][int(case["num_seqs"])])
+    assert (out[live_end:] == 0).all(), "padding rows must be exactly zero"
+    err = np.abs(out - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+def pallas_safe(kw: dict[str, int], case: dict[str, Any]) -> dict[str, int]:
+    """Compiled Triton dots need >= 16 rows and columns: grow drawn blocks if needed."""
+    group_pad = _common.next_pow2(case["q"].shape[1] // case["k_pages"].shape[2])
+    kw = dict(kw)
+    if "block_q" in kw:
+        kw["block_q"] = max(kw["block_q"], 16 // group_pad, 1)
+    if "block_kv" in kw:
+        kw["block_kv"] = max(kw["block_kv"], 16)
+    return kw
+
+
+# --------------------------------------------------------------------------------------------
+# Randomised cases
+# --------------------------------------------------------------------------------------------
+
+MAX_SEQS = 4
+NUM_TOKENS = 64
+# Kernel tilings drawn per example besides the defaults: tiny blocks exercise many query
+# blocks per sequence, many KV tiles per block and uneven KV splits.
+SMALL_BLOCKS = dict(block_q=2, block_kv=16, kv_splits=3)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict[str, Any]:
+    """Static shapes: drawn from a small set so that compiled programs get reused."""
+    ratio = draw(st.sampled_from([1, 3, 8]))
+    page_size = draw(st.sampled_from([16, 64]))
+    return dict(
+        head_dim=draw(st.sampled_from([64, 128])),
+        page_size=page_size,
+        ratio=ratio,
+        num_kv_heads=1 if ratio == 8 else 2,
+        pages_per_seq=320 // page_size,  # room for long histories
+        kw=draw(st.sampled_from([{}, SMALL_BLOCKS])),
+    )
+
+
+@st.composite
+def batches(draw: st.DrawFn, cfg: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """Query lengths and histories of the live sequences of one step."""
+    page_size = cfg["page_size"]
+    capacity = cfg["pages_per_seq"] * page_size
+    # sampled_from lists start with what the first (simplest) examples should contain.
+    n = draw(st.sampled_from([MAX_SEQS, 3, 2, 1, 0]))
+    q_lens = [draw(st.sampled_from([1, 7, 0, 2]) | st.integers(0, 16)) for _ in range(n)]
+    if n and draw(st.booleans()):
+        q_lens[-1] += NUM_TOKENS - sum(q_lens)  # no padding: the last chunk fills the axis
+    histories = []
+    for q_len in q_lens:
+        kind = draw(st.sampled_from(["page_edge", "long", "short", "none"]))
+        if kind == "none":
+            hist = 0
+        elif kind == "short":
+            hist = draw(st.integers(0, 40))
+        elif kind == "long":
+            hist = draw(st.integers(min(100, capacity - q_len), capacity - q_len))
+        else:  # kv_len on, or one off, a page boundary
+            kv_len = draw(st.integers(1, cfg["pages_per_seq"] - 1)) * page_size
+            kv_len += draw(st.sampled_from([-1, 0, 1]))
+            hist = max(0, kv_len - q_len)
+        histories.append(min(hist, capacity - q_len))
+    return q_lens, histories
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, dtype: Any) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """One static config and two steps (metadata and data) that share its compiled code."""
+    cfg = draw(configs())
+    out = []
+    for _ in range(2):
+        q_lens, histories = draw(batches(cfg))
+        rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+        out.append(
+            make_case(
+                rng,
+                q_lens=q_lens,
+                histories=histories,
+                max_seqs=MAX_SEQS,
+                num_tokens=NUM_TOKENS,
+                head_dim=cfg["head_dim"],
+                page_size=cfg["page_size"],
+                num_kv_heads=cfg["num_kv_heads"],
+                ratio=cfg["ratio"],
+                pages_per_seq=cfg["pages_per_seq"],
+                dtype=dtype,
+            )
+        )
+    return out, cfg["kw"]
+
+
+def check_all_impls(drawn: tuple[list[dict[str, Any]], dict[str, int]], dtype: Any) -> None:
+    steps, kw = drawn
+    for case in steps:
+        for impl in IMPLS:
+            impl_kw = {} if impl == "reference" else kw
+            if impl == "pallas":
+                impl_kw = pallas_safe(kw, case)
+            check(case, run(case, impl, **impl_kw), dtype)
+
+
+@settings(SETTINGS, max_examples=16)
+@given(scenarios(jnp.float32))
+def test_matches_oracle_f32(drawn: tuple[list[dict[str, Any]], dict[str, int]]) -> None:
+    check_all_impls(drawn, jnp.float32)
+
+
+@settings(SETTINGS, max_examples=6)
+@given(scenarios(jnp.bfloat16))
+def test_matches_oracle_bf16(drawn: tuple[list[dict[str, Any]], dict[str, int]]) -> None:
+    check_all_impls(drawn, jnp.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-picked cases
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_batch(impl: str) -> None:
+    """One query per sequence (default decode tiling: KV splits), long ragged histories."""
+    rng = np.random.default_rng(1)
+    histories = [0, 15, 16, 17, 63, 200, 255, 130]
+    case = make_case(
+        rng,
+        q_lens=[1] * 8,
+        histories=histories,
+        max_seqs=8,
+        num_tokens=8,
+        head_dim=128,
+        page_size=16,
+        num_kv_heads=1,
+        ratio=8,
+        pages_per_seq=16,
+    )
+    assert default_block_sizes(8, 8, 8, 1, 128).kv_splits > 1
+    check(case, run(case, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_traced_num_seqs_one_compile(impl: str) -> None:
+    """num_seqs is traced: one compiled program serves any number of live sequences."""
+    rng = np.random.default_rng(2)
+    case = make_case(
+        rng,
+        q_lens=[3, 0, 1, 9],
+        histories=[20, 5, 70, 0],
+        max_seqs=4,
+        num_tokens=16,
+        head_dim=64,
+        page_size=16,
+        num_kv_heads=2,
+        ratio=3,
+        pages_per_seq=8,
+    )
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, impl=impl))
+    for n in (0, 1, 2, 4):
+        sub = dict(case, num_seqs=np.int32(n))
+        out = fn(
+            *(sub[k] for k in ("q", "k_pages", "v_pages", "kv_lens", "page_indices")),
+            sub["cu_q_lens"],
+            jnp.asarray([n], jnp.int32),
+        )
+        check(sub, np.asarray(out))
+    assert fn._cache_size() == 1
+
+
+def test_kv_past_kv_len_never_read() -> None:
+    """NaN everywhere a sequence has no valid KV: the kernel must not touch it."""
+    rng = np.random.default_rng(3)
+    case = make_case(
+        rng,
+        q_lens=[5, 1, 20],
+        histories=[27, 40, 44],
+        max_seqs=3,
+        num_tokens=32,
+        head_dim=64,
+        page_size=16,
+        num_kv_heads=2,
+        ratio=1,
+        pages_per_seq=6,
+    )
+    valid = np.zeros(case["k_pages"].shape[:2], bool)
+    for s in range(3):
+        for pos in range(int(case["kv_lens"][s])):
+            valid[case["page_indices"][s, pos // 16], pos % 16] = True
+    for name in ("k_pages", "v_pages"):
+        case[name] = jnp.where(valid[:, :, None, None], case[name], jnp.nan)
+    for impl in (i for i in IMPLS if i != "reference"):  # the reference gathers whole pages
+        for kw in ({}, SMALL_BLOCKS):
+            check(case, run(case, impl, **(pallas_safe(kw, case) if impl == "pallas" else kw)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sm_scale_and_single_token_axis(impl: str) -> None:
+    rng = np.random.default_rng(4)
+    case = make_case(
+        rng,
+        q_lens=[1],
+        histories=[33],
+        max_seqs=1,
+        num_tokens=1,
+        head_dim=64,
+        page_size=64,
+        num_kv_heads=1,
+        ratio=1,
+        pages_per_seq=1,
+    )
+    case["sm_scale"] = 0.3
+    check(case, run(case, impl))
+
+
+def test_reference_windows_and_chunks_are_only_speed_knobs() -> None:
+    rng = np.random.default_rng(5)
+    case = make_case(
+        rng,
+        q_lens=[30, 2, 0, 9],
+        histories=[10, 50, 3, 0],
+        max_seqs=4,
+        num_tokens=48,
+        head_dim=64,
+        page_size=16,
+        num_kv_heads=1,
+        ratio=3,
+        pages_per_seq=5,
+    )
+    args = [case[k] for k in ARG_NAMES]
+    for windows, chunk in (((1,), 16), ((7, 1), 40), ((64, 8, 1), 512)):
+        out = ragged_paged_attention_reference(*args, q_windows=windows, kv_chunk=chunk)
+        check(case, np.asarray(out))
+    with pytest.raises(ValueError, match="ending with 1"):
+        ragged_paged_attention_reference(*args, q_windows=(8, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: ValueError before anything is traced
+# --------------------------------------------------------------------------------------------
+
+ARG_NAMES = ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+
+
+def _valid_case() -> dict[str, Any]:
+    return make_case(
+        np.random.default_rng(6),
+        q_lens=[2, 3],
+        histories=[4, 0],
+        max_seqs=3,
+        num_tokens=8,
+        head_dim=64,
+        page_size=16,
+        num_kv_heads=2,
+        ratio=2,
+        pages_per_seq=2,
+    )
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    case = _valid_case()
+    for key, fn in changes.items():
+        case[key] = fn(case[key])
+    return case
+
+
+BAD_CASES = {
+    "q rank": (_with(q=lambda q: q[0]), "q must have rank 3"),
+    "int q": (_with(q=lambda q: q.astype(jnp.int32)), "q must have a floating dtype"),
+    "k/v shapes": (_with(v_pages=lambda v: v[:-1]), "same shape"),
+    "dtypes": (_with(k_pages=lambda k: k.astype(jnp.bfloat16)), "share one dtype"),
+    "head dim": (_with(q=lambda q: q[..., :32]), "head dim mismatch"),
+    "gqa": (_with(q=lambda q: q[:, :3]), "not a multiple of Hkv"),
+    "float kv_lens": (_with(kv_lens=lambda x: x.astype(np.float32)), "integer dtype"),
+    "page rows": (_with(page_indices=lambda x: x[:2]), "page_indices has 2 rows"),
+    "cu length": (_with(cu_q_lens=lambda x: x[:3]), "cu_q_lens must have S\\+1=4"),
+    "num_seqs shape": (_with(num_seqs=lambda x: np.array([1, 2], np.int32)), "num_seqs must"),
+    "num_seqs > S": (_with(num_seqs=lambda x: np.int32(4)), "outside \\[0, S=3\\]"),
+    "cu start": (_with(cu_q_lens=lambda x: x + 1), "cu_q_lens\\[0\\] must be 0"),
+    "cu order": (_with(cu_q_lens=lambda x: np.array([0, 3, 2, 9], np.int32)), "non-decreasing"),
+    "cu past T": (_with(cu_q_lens=lambda x: np.array([0, 2, 9, 9], np.int32)), "exceeds"),
+    "kv < q": (_with(kv_lens=lambda x: np.array([1, 3, 0], np.int32)), "smaller than its query"),
+    "kv capacity": (_with(kv_lens=lambda x: np.array([33, 3, 0], np.int32)), "exceeds pages"),
+    "page range": (
+        _with(page_indices=lambda x: np.array([[-1, 0], [1, 2], [0, 0]], np.int32)),
+        "outside \\[0, 9\\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CASES))
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_invalid_inputs_raise_before_tracing(
+    name: str, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("traced despite invalid inputs")
+
+    monkeypatch.setattr(rpa_mod, "_rpa_reference", never)
+    monkeypatch.setattr(rpa_mod, "_rpa_pallas", never)
+    case, match = BAD_CASES[name]
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(*(case[k] for k in ARG_NAMES), impl=impl)
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention_reference(*(case[k] for k in ARG_NAMES))
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(block_q=3), "powers of two"),
+        (dict(block_kv=0), "positive int"),
+        (dict(kv_splits=1.5), "positive int"),
+        (dict(blok_q=4), "unknown block size option"),
+        (dict(impl="triton"), "is not one of"),
+    ],
+)
+def test_invalid_options(kw: dict[str, Any], match: str) -> None:
+    case = _valid_case()
+    kw = {"impl": "interpret", **kw}
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(*(case[k] for k in ARG_NAMES), **kw)
+
+
+def test_pallas_needs_pow2_head_dim() -> None:
+    case = _with(
+        q=lambda q: q[..., :48], k_pages=lambda k: k[..., :48], v_pages=lambda v: v[..., :48]
+    )
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        ragged_paged_attention(*(case[k] for k in ARG_NAMES), impl="interpret")
+    check(case, run(case, "reference"))  # the reference takes any head dim
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def _record_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    monkeypatch.setattr(rpa_mod, "_rpa_reference", lambda *a, **k: calls.append("reference"))
+    monkeypatch.setattr(
+        rpa_mod,
+        "_rpa_pallas",
+        lambda *a, interpret, **k: calls.append("interpret" if interpret else "pallas"),
+    )
+    return calls
+
+
+def test_dispatch_auto_env_and_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _record_calls(monkeypatch)
+    args = [_valid_case()[k] for k in ARG_NAMES]
+    monkeypatch.delenv(_common.IMPL_ENV_VAR, raising=False)
+    ragged_paged_attention(*args)
+    assert calls[-1] == ("pallas" if _common.on_gpu() else "reference")
+    monkeypatch.setenv(_common.IMPL_ENV_VAR, "interpret")
+    ragged_paged_attention(*args)
+    assert calls[-1] == "interpret"
+    ragged_paged_attention(*args, impl="reference")  # the argument beats the env var
+    assert calls[-1] == "reference"
+    monkeypatch.setenv(_common.IMPL_ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="CONFLUX_ATTENTION_IMPL"):
+        ragged_paged_attention(*args)
+
+
+@pytest.mark.skipif(_common.on_gpu(), reason="compiled Pallas is available on GPU")
+def test_compiled_pallas_refused_off_gpu() -> None:
+    with pytest.raises(ValueError, match="needs a GPU|compiles the kernel for a GPU"):
+        ragged_paged_attention(*(_valid_case()[k] for k in ARG_NAMES), impl="pallas")
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU kernel lowers to Triton (checked on CPU too: JAX lowers for CUDA without a GPU)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_tokens", "bs"),
+    [
+        (jnp.bfloat16, 64, None),  # prefill tiling
+        (jnp.bfloat16, 8, None),  # decode tiling (KV splits)
+        (jnp.float32, 64, BlockSizes(4, 32, 2, 4, 2)),
+    ],
+)
+def test_kernel_lowers_for_cuda(dtype: Any, num_tokens: int, bs: BlockSizes | None) -> None:
+    t, hq, hkv, d, p, ps, s, pps = num_tokens, 32, 8, 128, 40, 16, 8, 4
+    bs = bs or default_block_sizes(t, s, hq, hkv, d)
+    args = (
+        jnp.zeros((t, hq, d), dtype),
+        jnp.zeros((p, ps, hkv, d), dtype),
+        jnp.zeros((p, ps, hkv, d), dtype),
+        jnp.zeros((s,), jnp.int32),
+        jnp.zeros((s, pps), jnp.int32),
+        jnp.zeros((s + 1,), jnp.int32),
+        jnp.int32(1),
+    )
+    traced = rpa_mod._rpa_pallas.trace(*args, sm_scale=0.1, bs=bs, interpret=False)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
