@@ -1,0 +1,106 @@
+"""Fixed-shape buckets: the JAX counterpart of CUDA graphs.
+
+Every iteration is padded to one ``StepShape``; each distinct shape is one AOT-compiled
+executable. The token buffer ``tokens`` follows the combined per-rank load
+``max_r (n_p^r + n_d^r)`` that waterfill balances; the prefill slice (first ``prefill``
+slots of the buffer, all-to-all'd) and the decode slice (``decode`` slots gathered by
+index) have their own buckets inside it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    tokens: int  # T: token-buffer slots per rank
+    prefill: int  # P: prefill slots per rank (0 = no prefill this iteration)
+    decode: int  # D: decode slots per rank
+    decode_pages: int  # Wd: page-table width of decode sequences
+    transfer: int  # X: prefill page groups moved to decode ranks (0 when prefill is 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketConfig:
+    """Sorted bucket sets. ``transfer_groups`` and ``prefill_pages`` derive from the context."""
+
+    tokens: tuple[int, ...] = (16, 64, 256)
+    decode: tuple[int, ...] = (16, 64)
+    # The attention ops' cost follows live KV lengths, not the table width, so one
+    # width (the max context) is the default; more widths trade compiles for gathers.
+    decode_pages: tuple[int, ...] = (1 << 30,)
+    max_prefill_seqs: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "decode", "decode_pages"):
+            values = getattr(self, name)
+            if not values or list(values) != sorted(set(values)) or values[0] < 1:
+                raise ValueError(f"bucket set {name} must be sorted, distinct and positive")
+        if self.max_prefill_seqs < 1:
+            raise ValueError("max_prefill_seqs must be positive")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens[-1]
+
+
+def _at_least(values: tuple[int, ...], n: int, what: str) -> int:
+    i = bisect.bisect_left(values, n)
+    if i == len(values):
+        raise ValueError(f"{what} needs {n} but the largest bucket is {values[-1]}")
+    return values[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlanner:
+    """Chooses the step shape for an iteration and lists every shape the engine can emit."""
+
+    buckets: BucketConfig
+    max_pages_per_seq: int  # decode view, from the max model length
+    transfer_groups: int  # X when a prefill completes: page groups of one max-length request
+
+    def shape_for(self, prefill_max: int, decode_max: int, combined_max: int,
+                  decode_pages_max: int) -> StepShape:
+        b = self.buckets
+        tokens = _at_least(b.tokens, max(combined_max, 1), "the token buffer")
+        prefill = 0 if prefill_max == 0 else tokens
+        decode = _at_least(b.decode, max(decode_max, 1), "decode slots")
+        pages = min(_at_least(self.decode_page_buckets(), max(decode_pages_max, 1),
+                              "decode pages per sequence"), self.max_pages_per_seq)
+        # A prefill step always carries the transfer slots: a separate "no completion"
+        # variant would double the executables for a small saving.
+        return StepShape(tokens, prefill, decode, pages,
+                         self.transfer_groups if prefill else 0)
+
+    def decode_page_buckets(self) -> tuple[int, ...]:
+        capped = sorted({min(p, self.max_pages_per_seq) for p in self.buckets.decode_pages})
+        if capped[-1] < self.max_pages_per_seq:
+            capped.append(self.max_pages_per_seq)
+        return tuple(capped)
+
+    def all_shapes(self) -> list[StepShape]:
+        """Every shape ``shape_for`` can return: what warm-up compiles.
+
+        ``shape_for`` is a step function of the loads, so evaluating it at the bucket
+        boundaries (and one either side) reaches every shape it can produce.
+        """
+        b = self.buckets
+        edges = {0, 1}
+        for v in (*b.tokens, *b.decode):
+            edges |= {v - 1, v, v + 1}
+        max_t, max_d = b.tokens[-1], b.decode[-1]
+        decodes = sorted(e for e in edges if 0 <= e <= min(max_d, max_t))
+        combined = sorted(e for e in edges if 1 <= e <= max_t)
+        pages = sorted({1, *self.decode_page_buckets()})
+        shapes = set()
+        for n_d, total, w in itertools.product(decodes, combined, pages):
+            if total >= n_d:
+                shapes.add(self.shape_for(total - n_d, n_d, total, w if n_d else 1))
+        return sorted(shapes)
+
+def pages_needed(tokens: int, page_size: int) -> int:
+    return max(1, math.ceil(tokens / page_size))

@@ -1,0 +1,166 @@
+"""The Conflux step: one ``shard_map`` program that co-batches prefill and decode.
+
+Per rank and per layer (DESIGN.md §3, paper §4):
+
+1. QKV on the rank's whole token buffer (prefill + decode tokens: one GEMM).
+2. Prefill slice ``[P]``: all-to-all over ``sp`` (sequence-sharded -> head-sharded), write
+   K/V into this rank's head-sharded pages (the prefill view of the pool), ragged paged
+   attention over every prefill sequence of the iteration, all-to-all back. Requests whose
+   final chunk ran move their KV, page group by page group, to their decode rank.
+3. Decode slice ``[D]``: write K/V into rank-local full-head pages, paged attention over
+   the rank's own decode requests.
+4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
+
+The function is pure: ``(params, kv_pool, batch) -> (kv_pool, sampled)``, KV donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from conflux_jax.config import ModelConfig
+from conflux_jax.executor.batch import PER_RANK_FIELDS, StepBatch
+from conflux_jax.executor.mesh import SP, TP
+from conflux_jax.models.decoder import Decoder
+from conflux_jax.models.params import Params
+from conflux_jax.sampling import sample
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static facts the compiled step depends on (hashable: part of the jit cache key)."""
+
+    model: ModelConfig  # head counts already padded for the mesh
+    num_ranks: int  # N = sp
+    tp: int
+    page_size: int
+    num_pages: int  # pages per rank
+    num_top_logprobs: int = 0
+    attention_impl: str | None = None  # None = auto (see pallas_kernels)
+    return_logits: bool = False  # tests: also return the sampled rows' logits f32[N, R, V]
+
+
+def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
+    """Global KV pool shape, one of K and V: f[N, L, pages, page_size, Hkv, d]."""
+    m = cfg.model
+    return (cfg.num_ranks, m.num_layers, cfg.num_pages, cfg.page_size, m.num_kv_heads,
+            m.head_dim)
+
+
+KV_POOL_SPEC = P(SP, None, None, None, TP, None)
+
+
+def param_specs(params: Params) -> Params:
+    """Weights replicated over sp; QKV/gate/up column-parallel and O/down row-parallel
+    over tp; embeddings, norms and the LM head replicated."""
+    column = {"wq", "wk", "wv", "w_gate", "w_up"}
+    row = {"wo", "w_down"}
+
+    def spec(name: str) -> P:
+        if name in column:
+            return P(None, None, TP)
+        if name in row:
+            return P(None, TP, None)
+        return P()
+
+    out: dict[str, Any] = {k: P() for k in params if k != "layers"}
+    out["layers"] = {k: spec(k) for k in params["layers"]}
+    return out
+
+
+def batch_specs() -> StepBatch:
+    fields = {f.name: (P(SP) if f.name in PER_RANK_FIELDS else P())
+              for f in dataclasses.fields(StepBatch)}
+    return StepBatch(**fields)
+
+
+def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.Array,
+               b: StepBatch):
+    """Body run on every device. Per-rank arrays arrive with a leading axis of size 1."""
+    n, ps = cfg.num_ranks, cfg.page_size
+    b = dataclasses.replace(b, **{name: getattr(b, name)[0] for name in PER_RANK_FIELDS})
+    k_pool, v_pool = k_pool[0], v_pool[0]  # f[L, pages, ps, Hkv_local, d]
+    model = Decoder(cfg.model, params)
+    t = b.tokens.shape[0]
+    p = b.prefill_perm.shape[0] // n
+    d_slots = b.decode_index.shape[0]
+    x_groups = b.transfer_src.shape[0]
+    decode_cu = jnp.arange(d_slots + 1, dtype=jnp.int32)
+    attn = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
+
+    def attend(layer, q, k, v, kv):
+        kp, vp = kv
+        k_layer, v_layer = kp[layer], vp[layer]  # f[pages, ps, Hkv_l, d]
+        pages, _, hkv, hd = k_layer.shape
+        out = jnp.zeros_like(q)
+        if p:
+            def to_heads(a):  # [P, H, d] -> [N*P, H/N, d] in kernel order
+                a = jax.lax.all_to_all(a[:p], SP, split_axis=1, concat_axis=0, tiled=True)
+                return a[b.prefill_perm]
+
+            qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
+            view = (pages, ps * n, hkv // n, hd)  # KV aliasing: a free reshape
+            kpv, vpv = write_kv(k_layer.reshape(view), v_layer.reshape(view), ka, va,
+                                b.prefill_slot, impl=cfg.attention_impl)
+            o = attn(qa, kpv, vpv, b.prefill_kv_lens, b.prefill_pages, b.prefill_cu_q_lens,
+                     b.prefill_num_seqs)
+            o = jax.lax.all_to_all(o[b.prefill_inverse], SP, split_axis=0, concat_axis=1,
+                                   tiled=True)  # [P, Hq_l, d], sequence-sharded again
+            out = out.at[:p].set(o)
+            k_layer, v_layer = kpv.reshape(k_layer.shape), vpv.reshape(v_layer.shape)
+            if x_groups:
+                k_layer = _transfer(kpv, k_layer, b, n)
+                v_layer = _transfer(vpv, v_layer, b, n)
+        idx = jnp.minimum(b.decode_index, t - 1)
+        k_layer, v_layer = write_kv(k_layer, v_layer, k[idx], v[idx], b.decode_slot,
+                                    impl=cfg.attention_impl)
+        od = attn(q[idx], k_layer, v_layer, b.decode_kv_len, b.decode_pages, decode_cu,
+                  b.num_decode[None])
+        out = out.at[b.decode_index].set(od, mode="drop")
+        kp = kp.at[layer].set(k_layer)
+        vp = vp.at[layer].set(v_layer)
+        return out, (kp, vp)
+
+    x = model.embed_tokens(b.tokens)
+    tp_axis = TP if cfg.tp > 1 else None
+    x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis)
+    logits = model.logits(x[b.sample_index])  # f32[R, V]
+    tokens, logprobs, top_ids, top_lps = sample(
+        logits, b.temperature, b.top_k, b.top_p, b.seed, b.sample_step, cfg.num_top_logprobs)
+    out = (k_pool[None], v_pool[None], tokens[None], logprobs[None], top_ids[None],
+           top_lps[None])
+    return (*out, logits[None]) if cfg.return_logits else out
+
+
+def _transfer(prefill_view: jax.Array, decode_view: jax.Array, b: StepBatch,
+              n: int) -> jax.Array:
+    """Move completed prefills' head-sharded KV into full-head pages on their decode rank.
+
+    prefill_view f[pages, ps*N, Hkv/N, d]; decode_view f[pages, ps, Hkv, d]. Each moved page
+    group is N prefill-view pages (one per rank, one head shard each) = N decode pages.
+    """
+    pages, ps, hkv, hd = decode_view.shape
+    src = prefill_view[b.transfer_src]  # [X, ps*N, Hkv/N, d]
+    gathered = jax.lax.all_gather(src, SP, axis=0)  # [N(head shard), X, ps*N, Hkv/N, d]
+    x = src.shape[0]
+    full = jnp.moveaxis(gathered, 0, 2).reshape(x * n, ps, hkv, hd)
+    return decode_view.at[b.transfer_dst].set(full, mode="drop")
+
+
+def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params):
+    """The jitted step: (params, k_pool, v_pool, batch) -> (k_pool, v_pool, sampled...)."""
+    body = functools.partial(_rank_step, cfg)
+    mapped = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, batch_specs()),
+        out_specs=(KV_POOL_SPEC, KV_POOL_SPEC) + (P(SP),) * (5 if cfg.return_logits else 4),
+        check_vma=False)
+    return jax.jit(mapped, donate_argnums=(1, 2))

@@ -1,0 +1,38 @@
+"""Bucket choice: the smallest covering shape, and warm-up covers every reachable shape."""
+
+import itertools
+
+import pytest
+
+from conflux_jax.executor.buckets import BucketConfig, ShapePlanner
+
+
+def _planner():
+    return ShapePlanner(BucketConfig(tokens=(8, 32, 128), decode=(4, 16), decode_pages=(2, 8)),
+                        max_pages_per_seq=16, transfer_groups=5)
+
+
+def test_smallest_covering_buckets():
+    pl = _planner()
+    s = pl.shape_for(prefill_max=0, decode_max=3, combined_max=3, decode_pages_max=2)
+    assert (s.tokens, s.prefill, s.decode, s.decode_pages, s.transfer) == (8, 0, 4, 2, 0)
+    s = pl.shape_for(prefill_max=20, decode_max=5, combined_max=25, decode_pages_max=9)
+    assert (s.tokens, s.prefill, s.decode, s.decode_pages, s.transfer) == (32, 32, 16, 16, 5)
+
+
+def test_every_reachable_shape_is_compiled_at_warmup():
+    pl = _planner()
+    warm = set(pl.all_shapes())
+    seen = set()
+    # Brute force over every per-rank load the executor can face.
+    for n_p, n_d, pages in itertools.product(range(0, 129, 3), range(0, 17), range(1, 17)):
+        if n_p + n_d > 128 or n_p + n_d == 0:
+            continue
+        seen.add(pl.shape_for(n_p, n_d, n_p + n_d, pages))
+    assert seen <= warm
+    assert len(warm) == len(seen)  # and warm-up compiles nothing unreachable
+
+
+def test_oversized_load_is_a_clear_error():
+    with pytest.raises(ValueError, match="largest bucket"):
+        _planner().shape_for(0, 1, 129, 1)
