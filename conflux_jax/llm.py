@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from conflux_jax.outputs import OutputTracker, RequestOutput
-from conflux_jax.reference import ReferenceGenerator
+from conflux_jax.engine import Engine, EngineConfig
+from conflux_jax.executor.jax_executor import ExecutorConfig
+from conflux_jax.outputs import RequestOutput
 from conflux_jax.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -19,20 +19,28 @@ class LLM:
 
     ``model`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file, an
     HF safetensors folder or an orbax checkpoint written by ``conflux_jax.checkpoints``.
+    ``mesh`` is ``"sp=4,tp=1"`` style; the default uses every local device as an ``sp``
+    rank (on CPU set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before jax is
+    imported to simulate N devices). Step shapes compile on first use; call
+    ``llm.engine.executor.warmup()`` to compile them all up front.
     """
 
-    def __init__(self, model: str = "default", *, dtype: str = "float32",
-                 max_model_len: int | None = None):
+    def __init__(self, model: str = "default", *, mesh: str | None = None,
+                 dtype: str = "float32", max_model_len: int | None = None,
+                 policy: str = "conflux", engine_config: EngineConfig | None = None):
         from conflux_jax.checkpoints import load_checkpoint
 
         ckpt = load_checkpoint(model, dtype=dtype)
         self.model_name = model
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        self._generator = ReferenceGenerator(ckpt.config, ckpt.params, dtype=dtype)
-        self._ids = itertools.count()
+        if engine_config is None:
+            max_len = min(max_model_len or 2048, self.config.max_position_embeddings)
+            engine_config = EngineConfig(
+                executor=ExecutorConfig(mesh=mesh, dtype=dtype, max_model_len=max_len),
+                policy=policy)
+        self.engine = Engine(ckpt.config, ckpt.params, ckpt.tokenizer, engine_config)
+        self.max_model_len = self.engine.max_model_len
 
     def generate(
         self,
@@ -52,23 +60,10 @@ class LLM:
 
     def _generate(self, texts: Sequence[str | None], token_lists: list[list[int]],
                   sampling_params: Sequence[SamplingParams]) -> list[RequestOutput]:
-        for ids in token_lists:
-            self._check_prompt(ids)
-        trackers = [
-            OutputTracker(self.tokenizer, sp, max_new_tokens=min(
-                sp.max_tokens or self.max_model_len, self.max_model_len - len(ids)))
-            for sp, ids in zip(sampling_params, token_lists, strict=True)]
-
-        def on_token(row: int, token: int, logprob: float, top: dict[int, float]) -> bool:
-            t = trackers[row]
-            t.append(token, logprob, top if t.params.logprobs else None)
-            return t.finished
-
-        self._generator.generate(token_lists, sampling_params, on_token, self.max_model_len)
-        return [
-            RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
-                          outputs=[t.completion()], finished=True)
-            for text, ids, t in zip(texts, token_lists, trackers, strict=True)]
+        outs = self.engine.generate(token_lists, sampling_params)
+        for out, text in zip(outs, texts, strict=True):
+            out.prompt = text
+        return outs
 
     def chat(
         self,
@@ -88,17 +83,6 @@ class LLM:
         # The template already places any BOS; encoding must not add another.
         token_lists = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._generate(texts, token_lists, sampling_params)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is "
-                             f"{self.max_model_len} tokens and generation needs at least one")
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
 
 
 def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -19,6 +19,7 @@ from conflux_jax.executor.base import IterationPlan, KVSpec, StepResult
 from conflux_jax.executor.batch import StepBatch, zeros_like_shapes
 from conflux_jax.executor.block_manager import BlockManager
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
+from conflux_jax.executor.compile_cache import enable_compilation_cache
 from conflux_jax.executor.compile_guard import CompileGuard
 from conflux_jax.executor.head_padding import pad_heads
 from conflux_jax.executor.mesh import MeshSpec, make_mesh
@@ -66,6 +67,7 @@ class ExecutorConfig:
     num_top_logprobs: int = 0
     compile_workers: int = 2
     return_logits: bool = False  # tests: keep each sampled row's logits in `last_logits`
+    compile_cache: str | None = None  # directory; None = $CONFLUX_COMPILE_CACHE or default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,7 @@ class JaxExecutor:
     def __init__(self, config: ModelConfig, params: Params, exec_config: ExecutorConfig,
                  sequences: Mapping[int, SequenceData]):
         self.exec_config = ec = exec_config
+        self.compile_cache_dir = enable_compilation_cache(ec.compile_cache)
         self.mesh_spec = MeshSpec.parse(ec.mesh)
         self.mesh = make_mesh(self.mesh_spec)
         n, tp = self.mesh_spec.sp, self.mesh_spec.tp

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m conflux_jax.bench <subcommand> [--json PATH] ...``."""

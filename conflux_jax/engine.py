@@ -1,0 +1,253 @@
+"""The engine: requests in, streamed tokens out; one scheduler + one executor per step.
+
+``Engine.step()`` runs one iteration: the scheduler plans (which prefill chunks on which
+ranks, which decodes), the executor runs the plan on the device mesh, and every sampled
+token goes through the request's ``OutputTracker`` (detokenize, stop strings, EOS,
+max_tokens). Finished requests leave the scheduler, which frees their KV pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from conflux_jax.executor.base import IterationPlan, StepResult
+from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor, SequenceData
+from conflux_jax.outputs import OutputTracker, RequestOutput
+from conflux_jax.sampling import SamplingParams
+from conflux_jax.scheduler.config import SchedulerConfig
+from conflux_jax.scheduler.latency import LatencyModel
+from conflux_jax.scheduler.request import Request
+from conflux_jax.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+POLICIES = {  # --policy name: (scheduling order, execution mode)
+    "conflux": ("slo", "conflux"),
+    "fcfs": ("fcfs", "conflux"),
+    "srpt": ("srpt", "conflux"),
+    "chunked": ("fcfs", "tp_chunked"),
+    "isolated": ("fcfs", "isolated"),
+}
+
+
+class EngineError(ValueError):
+    """A request the engine cannot accept (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    executor: ExecutorConfig = ExecutorConfig()
+    policy: str = "conflux"
+    ttft_slo_s: float = 10.0
+    tbt_slo_s: float = 1.0
+    latency_model: LatencyModel | None = None  # None = a conservative built-in estimate
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one iteration produced for one request (a streaming delta)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    time_s: float  # perf_counter() when the token became available
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class _Live:
+    prompt: str | None
+    tracker: OutputTracker
+    arrival_s: float
+    first_token_s: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model_config: Any, params: Any, tokenizer: Any,
+                 config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.sequences: dict[int, SequenceData] = {}
+        self.executor = JaxExecutor(model_config, params, config.executor, self.sequences)
+        order, mode = POLICIES[config.policy]
+        ec = config.executor
+        if mode == "tp_chunked" and self.executor.num_ranks != 1:
+            raise ValueError("the chunked baseline runs uniform TP: use a mesh with sp=1")
+        self.latency_model = config.latency_model or default_latency_model(
+            model_config.num_layers, self.executor.num_ranks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(tbt_slo_s=config.tbt_slo_s, ttft_slo_s=config.ttft_slo_s,
+                            order=order, mode=mode, quantum=1,
+                            max_tokens_per_rank=ec.buckets.max_tokens,
+                            token_budget=ec.buckets.max_tokens,
+                            max_prefill_pieces=ec.buckets.max_prefill_seqs,
+                            max_decodes_per_rank=ec.buckets.decode[-1],
+                            max_transfer_groups=self.executor.planner.transfer_groups),
+            self.latency_model, self.executor.block_manager)
+        self.max_model_len = min(ec.max_model_len, model_config.max_position_embeddings)
+        self._live: dict[int, _Live] = {}
+        self._next_id = 0
+        self._rng = random.Random()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams,
+                    arrival_s: float | None = None) -> int:
+        """Queue a request; returns its id. Raises ``EngineError`` for invalid input."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise EngineError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens; this server's context is "
+                              f"{self.max_model_len} tokens and generation needs at least one")
+        max_new = min(sampling.max_tokens or self.max_model_len, self.max_model_len - len(ids))
+        rid = self._next_id
+        self._next_id += 1
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(31)
+        now = time.perf_counter() if arrival_s is None else arrival_s
+        request = Request(id=rid, arrival_s=now, prompt_len=len(ids), max_new_tokens=max_new)
+        self.sequences[rid] = SequenceData(list(ids), len(ids), sampling, seed % 2**32)
+        if not self.scheduler.add(request):
+            del self.sequences[rid]
+            raise EngineError(f"the request needs more KV cache ({len(ids)} + {max_new} "
+                              "tokens) than one rank holds")
+        self._live[rid] = _Live(text, OutputTracker(self.tokenizer, sampling, max_new), now)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its KV pages (no-op if it already finished)."""
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            live.tracker.abort()
+            self.scheduler.abort(request_id)
+            self.sequences.pop(request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    # ------------------------------------------------------------------ the iteration
+    def step(self) -> list[StepOutput]:
+        """Run one iteration; returns the new tokens of every request that got one."""
+        plan = self.scheduler.schedule(time.perf_counter())
+        if plan.empty:
+            self.scheduler.commit(plan, None)
+            return []
+        try:
+            sampled = self.executor.run(plan)
+        except Exception as exc:  # a failing step fails its requests, not the engine
+            log.exception("step failed; failing its %d requests", len(_plan_ids(plan)))
+            self.scheduler.commit(plan, None)
+            return self._fail(_plan_ids(plan), exc)
+        now = time.perf_counter()
+        result = StepResult(tokens={r: s.token for r, s in sampled.items()},
+                            latency_s=self.executor.last_latency_s, end_s=now)
+        outputs = []
+        for rid, s in sampled.items():
+            live = self._live.get(rid)
+            if live is None:  # aborted while the step ran
+                continue
+            self.sequences[rid].token_ids.append(s.token)
+            tracker = live.tracker
+            if live.first_token_s is None:
+                live.first_token_s = now
+            live.token_times.append(now)
+            delta = tracker.append(s.token, s.logprob, s.top if tracker.params.logprobs else None)
+            outputs.append(StepOutput(
+                rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
+                [tracker.logprobs[-1]] if tracker.logprobs is not None else None))
+            if tracker.finished:
+                self.scheduler.finish(rid)
+        self.scheduler.commit(plan, result)
+        for out in outputs:
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self.sequences.pop(out.request_id, None)
+        return outputs
+
+    def _fail(self, ids: list[int], exc: Exception) -> list[StepOutput]:
+        now = time.perf_counter()
+        outs = []
+        for rid in ids:
+            live = self._live.pop(rid, None)
+            if live is None:
+                continue
+            delta = live.tracker.abort("error")
+            self.scheduler.abort(rid)
+            self.sequences.pop(rid, None)
+            outs.append(StepOutput(rid, [], delta, True, "error", now))
+        return outs
+
+    def output(self, request_id: int) -> RequestOutput | None:
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        seq = self.sequences[request_id]
+        return RequestOutput(str(request_id), live.prompt, seq.token_ids[:seq.prompt_len],
+                             [live.tracker.completion()], live.tracker.finished)
+
+    # ------------------------------------------------------------------ offline use
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling: Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion (the offline ``LLM`` API)."""
+        ids: list[int] = []
+        try:
+            for p, sp in zip(prompts, sampling, strict=True):
+                ids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+                self.abort(rid)
+            raise
+        snapshots: dict[int, tuple[_Live, SequenceData]] = {
+            rid: (self._live[rid], self.sequences[rid]) for rid in ids}
+        while any(rid in self._live for rid in ids):
+            self.step()
+        results = []
+        for rid, prompt in zip(ids, prompts, strict=True):
+            live, seq = snapshots[rid]
+            results.append(RequestOutput(
+                str(rid), prompt if isinstance(prompt, str) else None,
+                seq.token_ids[:seq.prompt_len], [live.tracker.completion()], True,
+                metrics={"arrival_s": live.arrival_s, "first_token_s": live.first_token_s,
+                         "token_times_s": live.token_times}))
+        return results
+
+
+def _plan_ids(plan: IterationPlan) -> list[int]:
+    return [p.request_id for p in plan.prefill] + [d.request_id for d in plan.decode]
+
+
+def default_latency_model(num_layers: int, num_ranks: int) -> LatencyModel:
+    """A rough CPU-scale estimate used until a fitted profile is supplied.
+
+    It only shapes how much prefill the scheduler co-batches per iteration; correctness
+    never depends on it. ``python -m conflux_jax.bench estimator --profile`` fits a real one.
+    """
+    from conflux_jax.scheduler.latency import Affine
+
+    return LatencyModel(num_layers=num_layers, num_ranks=num_ranks,
+                        gemm=Affine(a=2e-5, b=5e-4), dec=Affine(a=2e-7, b=1e-4),
+                        pre=Affine(a=1e-8, b=1e-4), comm=Affine(a=1e-6, b=5e-5))

@@ -1,0 +1,46 @@
+"""Scheduler configuration and the named policies used in comparisons."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Order = Literal["slo", "fcfs", "srpt"]
+Mode = Literal["conflux", "tp_chunked", "isolated"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """How one instance schedules.
+
+    ``order``: "slo" = Moore–Hodgson admission, EDF then SJF backfill (ConfluxServe);
+    "fcfs" = arrival order (the "-FCFS" variants); "srpt" = fewest remaining prefill
+    tokens first (the "++" variants).
+    ``mode``: "conflux" = co-batched XP with waterfill dispatch; "tp_chunked" = Sarathi /
+    vLLM chunked prefill on one uniform-TP rank with a fixed ``token_budget``;
+    "isolated" = phase-isolated elastic SP (LoongServe-like): an iteration runs either
+    prefill chunks over all ranks or the resident decodes, prefill first.
+    """
+
+    tbt_slo_s: float
+    ttft_slo_s: float
+    order: Order = "slo"
+    mode: Mode = "conflux"
+    quantum: int = 16
+    max_tokens_per_rank: int = 8192  # largest per-rank token bucket
+    eta: float = 0.9  # KV utilisation threshold of dual-mode placement
+    headroom_pages: int = 4  # KV headroom kept on a rank when placing a decode
+    token_budget: int = 2048  # tp_chunked: tokens per iteration incl. decodes
+    # Executor shape limits (the real executor's buckets); None = unlimited.
+    max_prefill_pieces: int | None = None  # prefill chunks per plan
+    max_decodes_per_rank: int | None = None  # resident decodes a rank may host
+    # KV page groups (prefill-view pages per rank) one iteration may move to decode ranks.
+    max_transfer_groups: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.order not in ("slo", "fcfs", "srpt"):
+            raise ValueError(f"unknown order {self.order!r}")
+        if self.mode not in ("conflux", "tp_chunked", "isolated"):
+            raise ValueError(f"unknown mode {self.mode!r}")
+        if self.tbt_slo_s <= 0 or self.ttft_slo_s <= 0:
+            raise ValueError("SLOs must be positive")

@@ -1,0 +1,262 @@
+"""The Conflux iteration latency model (§6.2, Eqs. 2-6, Appendix D) and its fitting.
+
+    T_iter = L * (T_gemm + T_attn) + overhead
+    T_gemm = f_gemm(max_r (n_p^r + n_d^r))
+    T_attn = max(beta * T_P, alpha * T_D)      (both paths present; else T_P + T_D)
+    T_D    = max_r f_D(sum_{i in D_r} c_i)
+    T_P    = f_comm(max_r n_p^r) + f_P((1/N) * sum_i l_i * (c_i + (l_i + 1)/2))
+
+Each base function is ``f(x) = b + max(a*x, floor)`` for x > 0 and 0 for an empty
+component (Appendix D fits an intercept per operator; an operator that does not run
+costs nothing). ``floor`` is 0 for fitted models (pure affine, as in the paper); the
+roofline source uses it for the weight-read floor of the linears. alpha and beta (>= 1)
+are contention factors that only apply when prefill and decode attention overlap.
+``overhead`` is a per-iteration constant outside the layers (LM head, sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """``f(x) = b + max(a*x, floor)`` for x > 0; ``f(0) = 0``."""
+
+    a: float = 0.0
+    b: float = 0.0
+    floor: float = 0.0
+
+    def __call__(self, x: float) -> float:
+        if x <= 0:
+            return 0.0
+        ax = self.a * x
+        return self.b + (ax if ax > self.floor else self.floor)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """The workload features of one iteration that the latency model depends on.
+
+    ``n_p``/``n_d``: prefill/decode tokens per rank; ``w_d``: summed decode context
+    per rank (each decode attends to its KV length + 1); ``a_p``: total causal prefill
+    attention work sum_i l_i*(c_i + (l_i+1)/2) over all chunks of the iteration.
+    """
+
+    n_p: tuple[int, ...]
+    n_d: tuple[int, ...]
+    w_d: tuple[int, ...]
+    a_p: float
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.n_p)
+
+    @classmethod
+    def from_plan(cls, plan: Any, kv_lens: dict[int, int], num_ranks: int) -> BatchShape:
+        """Features of an :class:`IterationPlan`; ``kv_lens`` = KV length of each decode."""
+        n_p = [0] * num_ranks
+        n_d = [0] * num_ranks
+        w_d = [0] * num_ranks
+        a_p = 0.0
+        for p in plan.prefill:
+            for r, c in enumerate(p.counts):
+                n_p[r] += c
+            a_p += p.attention_work()
+        for d in plan.decode:
+            n_d[d.rank] += 1
+            w_d[d.rank] += kv_lens[d.request_id] + 1
+        return cls(tuple(n_p), tuple(n_d), tuple(w_d), a_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyModel:
+    """Coefficients of the latency model for one (model, hardware, mesh)."""
+
+    num_layers: int
+    num_ranks: int
+    gemm: Affine
+    dec: Affine
+    pre: Affine
+    comm: Affine
+    alpha: float = 1.0
+    beta: float = 1.0
+    overhead_s: float = 0.0
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    # ---- evaluation ---------------------------------------------------------------
+    def decode_path(self, w_max: float) -> float:
+        """T_D for the rank with the largest decode context (f_D is nondecreasing)."""
+        return self.dec(w_max)
+
+    def prefill_path(self, max_np: int, a_p: float) -> float:
+        """T_P: all-to-all on the largest shard + attention over the 1/N share."""
+        if max_np <= 0:
+            return 0.0
+        comm = self.comm(max_np) if self.num_ranks > 1 else 0.0
+        return comm + self.pre(a_p / self.num_ranks)
+
+    def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float) -> float:
+        """T_iter from the aggregate features (the scheduler's hot path)."""
+        if max_load <= 0:
+            return 0.0
+        t_p = self.prefill_path(max_np, a_p)
+        if t_p > 0.0 and t_d > 0.0:
+            bp = self.beta * t_p
+            ad = self.alpha * t_d
+            t_attn = bp if bp > ad else ad
+        else:
+            t_attn = t_p + t_d
+        return self.num_layers * (self.gemm(max_load) + t_attn) + self.overhead_s
+
+    def estimate(self, shape: BatchShape) -> float:
+        loads = [p + d for p, d in zip(shape.n_p, shape.n_d, strict=True)]
+        return self.iteration(max(loads), max(shape.n_p), shape.a_p,
+                              self.decode_path(max(shape.w_d)))
+
+    # ---- persistence --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers, "num_ranks": self.num_ranks,
+            "gemm": dataclasses.asdict(self.gemm), "dec": dataclasses.asdict(self.dec),
+            "pre": dataclasses.asdict(self.pre), "comm": dataclasses.asdict(self.comm),
+            "alpha": self.alpha, "beta": self.beta, "overhead_s": self.overhead_s,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LatencyModel:
+        return cls(num_layers=int(d["num_layers"]), num_ranks=int(d["num_ranks"]),
+                   gemm=Affine(**d["gemm"]), dec=Affine(**d["dec"]), pre=Affine(**d["pre"]),
+                   comm=Affine(**d["comm"]), alpha=float(d["alpha"]), beta=float(d["beta"]),
+                   overhead_s=float(d.get("overhead_s", 0.0)), meta=dict(d.get("meta", {})))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyModel:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+COEFFS_DIR = Path(__file__).parent / "coeffs"
+
+
+def coeffs_path(model: str, hardware: str, sp: int, tp: int = 1) -> Path:
+    """Conventional JSON location for fitted coefficients of (model, hardware, mesh)."""
+    return COEFFS_DIR / f"{model}__{hardware}__sp{sp}_tp{tp}.json"
+
+
+# ---- fitting ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ProfileSample:
+    """One measured iteration: its batch features and the measured seconds."""
+
+    shape: BatchShape
+    seconds: float
+
+
+def mape(model: LatencyModel, samples: Sequence[ProfileSample]) -> float:
+    """Mean absolute percentage error (in %) of ``model`` on ``samples``."""
+    if not samples:
+        raise ValueError("mape needs at least one sample")
+    errs = [abs(model.estimate(s.shape) - s.seconds) / s.seconds for s in samples]
+    return 100.0 * float(np.mean(errs))
+
+
+# Column order of the fitted parameter vector.
+_PARAMS = ("g_a", "g_b", "d_a", "d_b", "p_a", "p_b", "c_a", "c_b")
+
+
+def _features(samples: Sequence[ProfileSample], num_ranks: int) -> np.ndarray:
+    """Per sample: [G, has_G, W_max, has_D, A/N, has_P, C (N>1), has_comm]."""
+    f = np.zeros((len(samples), 8))
+    for k, s in enumerate(samples):
+        sh = s.shape
+        g = max(p + d for p, d in zip(sh.n_p, sh.n_d, strict=True))
+        c = max(sh.n_p)
+        w = max(sh.w_d)
+        f[k] = (g, g > 0, w, w > 0, sh.a_p / num_ranks, c > 0,
+                c if num_ranks > 1 else 0, c > 0 and num_ranks > 1)
+    return f
+
+
+def _solve(f: np.ndarray, y: np.ndarray, L: int, alpha: float, beta: float,
+           dom_p: np.ndarray) -> np.ndarray:
+    """Linear least squares in the 8 coefficients given which attention path dominates.
+
+    Rows are scaled by 1/y so the fit minimises relative error (the MAPE target).
+    """
+    mixed = (f[:, 3] > 0) & (f[:, 5] > 0)
+    wd = np.where(mixed, np.where(dom_p, 0.0, alpha), 1.0)
+    wp = np.where(mixed, np.where(dom_p, beta, 0.0), 1.0)
+    x = L * np.column_stack([f[:, 0], f[:, 1], wd * f[:, 2], wd * f[:, 3],
+                             wp * f[:, 4], wp * f[:, 5], wp * f[:, 6], wp * f[:, 7]])
+    x = x / y[:, None]
+    theta = np.linalg.lstsq(x, np.ones_like(y), rcond=None)[0]
+    return np.clip(theta, 0.0, None)
+
+
+def _paths(f: np.ndarray, th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    t_d = th[2] * f[:, 2] + th[3] * f[:, 3]
+    t_p = (th[4] * f[:, 4] + th[5] * f[:, 5] + th[6] * f[:, 6] + th[7] * f[:, 7]) * (f[:, 5] > 0)
+    return t_p, t_d
+
+
+def _predict(f: np.ndarray, th: np.ndarray, L: int, alpha: float, beta: float) -> np.ndarray:
+    t_p, t_d = _paths(f, th)
+    mixed = (t_p > 0) & (t_d > 0)
+    attn = np.where(mixed, np.maximum(beta * t_p, alpha * t_d), t_p + t_d)
+    return L * (th[0] * f[:, 0] + th[1] * f[:, 1] + attn)
+
+
+def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
+        meta: dict[str, Any] | None = None,
+        contention_grid: Sequence[float] = tuple(np.round(np.arange(1.0, 2.001, 0.05), 3)),
+        ) -> LatencyModel:
+    """Least-squares fit of all coefficients from measured whole-iteration samples.
+
+    Include decode-only, prefill-only and mixed batches: the intercepts of the
+    components are identified by which components are present, and alpha/beta only by
+    mixed batches. For each (alpha, beta) on ``contention_grid`` the affine coefficients
+    are found by alternating least squares (which path dominates a mixed sample depends
+    on the coefficients); the pair with the lowest training MAPE wins. The per-iteration
+    constant overhead is absorbed into the GEMM intercept (the two are collinear).
+    """
+    if len(samples) < len(_PARAMS):
+        raise ValueError(f"fit needs at least {len(_PARAMS)} samples, got {len(samples)}")
+    f = _features(samples, num_ranks)
+    y = np.array([s.seconds for s in samples], dtype=float)
+    L = num_layers
+    has_mixed = bool(np.any((f[:, 3] > 0) & (f[:, 5] > 0)))
+    grid = contention_grid if has_mixed else (1.0,)
+    best: tuple[float, np.ndarray, float, float] | None = None
+    for alpha in grid:
+        for beta in grid:
+            dom_p = np.zeros(len(y), dtype=bool)
+            th = _solve(f, y, L, alpha, beta, dom_p)
+            for _ in range(6):
+                t_p, t_d = _paths(f, th)
+                new_dom = beta * t_p > alpha * t_d
+                if np.array_equal(new_dom, dom_p):
+                    break
+                dom_p = new_dom
+                th = _solve(f, y, L, alpha, beta, dom_p)
+            err = float(np.mean(np.abs(_predict(f, th, L, alpha, beta) - y) / y))
+            if best is None or err < best[0]:
+                best = (err, th, float(alpha), float(beta))
+    assert best is not None
+    _, th, alpha, beta = best
+    return LatencyModel(
+        num_layers=L, num_ranks=num_ranks,
+        gemm=Affine(float(th[0]), float(th[1])), dec=Affine(float(th[2]), float(th[3])),
+        pre=Affine(float(th[4]), float(th[5])), comm=Affine(float(th[6]), float(th[7])),
+        alpha=alpha, beta=beta, overhead_s=0.0,
+        meta={**(meta or {}), "source": "profile", "num_samples": len(samples)})

@@ -1,0 +1,50 @@
+"""Request descriptions (immutable) and the scheduler's per-request state (mutable)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from conflux_jax.executor.base import DecodeSlot
+
+Phase = Literal["waiting", "prefill", "decode", "done"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """What the scheduler needs to know about a request: id, arrival and lengths."""
+
+    id: int
+    arrival_s: float
+    prompt_len: int
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"request {self.id}: prompt_len and max_new_tokens must be >= 1")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class RequestState:
+    """Scheduling state. ``target`` is what must be prefilled: the prompt, plus the
+    generated tokens after a recompute preemption."""
+
+    req: Request
+    deadline_s: float  # TTFT deadline: arrival + TTFT SLO
+    target: int
+    prefilled: int = 0
+    generated: int = 0
+    kv_len: int = 0  # tokens in decode KV (excludes the last sampled token)
+    kv_cap: int = 0  # tokens the decode pages can hold
+    rank: int = -1
+    phase: Phase = "waiting"
+    preemptions: int = 0
+    slot: DecodeSlot | None = None
+
+    @property
+    def id(self) -> int:
+        return self.req.id
+
+    @property
+    def remaining(self) -> int:
+        return self.target - self.prefilled

@@ -1,0 +1,119 @@
+"""Roofline coefficients for GPUs we do not have (notes/SIMULATOR.md, "A roofline model").
+
+Produces a :class:`LatencyModel` of the same form the profiler fits, so one estimator
+drives the scheduler and the simulator either way. Assumptions (all from SIMULATOR.md):
+
+* bf16 everywhere; H100 SXM5: 989 TFLOP/s dense, 3.35 TB/s HBM, 80 GB; H200: same
+  compute, 4.8 TB/s, 141 GB; NVLink4 450 GB/s per direction.
+* Linears: ``max(T * 2 P_L / (0.75 peak), 2 P_L bytes / (0.8 HBM))`` per layer (compute
+  vs weight-read floor; no GEMM knee below ~256 tokens; no unfused-op inflation, mu=0).
+* Decode attention: KV read at 0.8 of HBM, no per-request cost (tau_req = 0).
+* Prefill attention: 4 n_q d FLOPs per (query, key) pair at 0.6 of peak (FA3), shared
+  evenly over the N SP ranks (Ulysses).
+* Ulysses all-to-all: Q,K,V in + O out, (2 n_q + 2 n_kv) d * 2 bytes per token, a
+  (N-1)/N share leaves the rank, at 370 GB/s effective, plus a 30 us floor per
+  collective (two per layer). Requires N <= n_kv (no KV-head replication).
+* Base TP of degree tp divides weights, FLOPs and KV per GPU by tp and adds two ring
+  all-reduces per layer (busbw 300 GB/s, 37.5 us floor each).
+* Contention when prefill and decode attention overlap: alpha = beta = 1.2 (the paper
+  measures 28.0 ms overlapped vs a 21.8 ms contention-free bound, i.e. ~1.28x).
+* Per-iteration overhead: reading the LM head once (h * V * 2 bytes at 0.8 HBM).
+* KV capacity: 90% of HBM minus the weights, per logical rank of tp GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conflux_jax.scheduler.latency import Affine, LatencyModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # bf16 dense FLOP/s
+    hbm_bw: float  # bytes/s
+    hbm_bytes: float
+    nvlink_bw: float  # bytes/s per direction
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_context: int
+
+    @property
+    def params_per_layer(self) -> int:
+        h, d = self.hidden, self.head_dim
+        return (h * d * (self.num_q_heads + 2 * self.num_kv_heads)
+                + self.num_q_heads * d * h + 3 * h * self.intermediate)
+
+    @property
+    def total_params(self) -> int:
+        # untied embeddings: input embedding + LM head
+        return self.num_layers * self.params_per_layer + 2 * self.vocab * self.hidden
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * 2
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("h100", 989e12, 3.35e12, 80e9, 450e9),
+    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, 450e9),
+}
+
+MODELS: dict[str, ModelShape] = {
+    "llama3.1-8b": ModelShape("llama3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
+    "qwen3-14b": ModelShape("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, 131072),
+    "qwen3-32b": ModelShape("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, 131072),
+}
+
+ETA_GEMM = 0.75
+ETA_WEIGHTS = 0.8
+ETA_KV = 0.8
+ETA_FA = 0.6
+A2A_BW = 370e9
+A2A_FLOOR_S = 30e-6
+AR_BUSBW = 300e9
+AR_FLOOR_S = 37.5e-6
+CONTENTION = 1.2
+KV_MEM_FRACTION = 0.9
+
+
+def roofline_model(model: str, hardware: str, sp: int, tp: int = 1) -> LatencyModel:
+    """Latency coefficients for ``model`` on ``sp`` logical ranks of ``tp`` GPUs each."""
+    m, hw = MODELS[model], HARDWARE[hardware]
+    if sp > m.num_kv_heads:
+        raise ValueError(f"sp={sp} > {m.num_kv_heads} KV heads (replication not modelled)")
+    p_l = m.params_per_layer
+    h, d = m.hidden, m.head_dim
+    ar_per_token = 2 * (h * 2) * 2 * (tp - 1) / tp / AR_BUSBW if tp > 1 else 0.0
+    gemm = Affine(a=2 * p_l / tp / (ETA_GEMM * hw.peak_flops) + ar_per_token,
+                  b=2 * AR_FLOOR_S if tp > 1 else 0.0,
+                  floor=2 * p_l / tp / (ETA_WEIGHTS * hw.hbm_bw))
+    dec = Affine(a=m.kv_bytes_per_token_layer / tp / (ETA_KV * hw.hbm_bw))
+    pre = Affine(a=4 * m.num_q_heads * d / tp / (ETA_FA * hw.peak_flops))
+    a2a_bytes = (2 * m.num_q_heads + 2 * m.num_kv_heads) * d * 2 / tp * (sp - 1) / sp
+    comm = Affine(a=a2a_bytes / A2A_BW, b=2 * A2A_FLOOR_S) if sp > 1 else Affine()
+    head = h * m.vocab * 2 / tp / (ETA_WEIGHTS * hw.hbm_bw)
+    return LatencyModel(
+        num_layers=m.num_layers, num_ranks=sp, gemm=gemm, dec=dec, pre=pre, comm=comm,
+        alpha=CONTENTION, beta=CONTENTION, overhead_s=head,
+        meta={"model": model, "hardware": hardware, "sp": sp, "tp": tp, "source": "roofline"})
+
+
+def kv_tokens_per_rank(model: str, hardware: str, tp: int = 1) -> int:
+    """Full-head KV tokens one logical rank (tp GPUs) can hold after the weights."""
+    m, hw = MODELS[model], HARDWARE[hardware]
+    free = tp * hw.hbm_bytes * KV_MEM_FRACTION - m.total_params * 2
+    if free <= 0:
+        raise ValueError(f"{model} does not fit on {tp} x {hardware}")
+    return int(free // (m.kv_bytes_per_token_layer * m.num_layers))

@@ -1,0 +1,430 @@
+"""The per-instance scheduler: SLO-aware ConfluxServe (Alg. 1) and comparison policies.
+
+Lifecycle of a request: ``add`` -> waiting -> (prefill chunks) -> decode -> done.
+Every iteration the caller does::
+
+    plan = sched.schedule(now)        # decide; KV pages are allocated here
+    result = executor.execute(plan)
+    finished = sched.commit(plan, result)
+
+Guarantees:
+* stall-free decode: every resident decode is in every ``conflux``/``tp_chunked`` plan
+  (isolated plans alternate phases by design);
+* KV never over-commits: prefill pages for the whole prompt are taken when a prefill
+  starts, decode pages when its last chunk is planned, one page per growth step;
+* no deadlock: when a decode cannot grow, the latest-arrived request holding pages on
+  that rank is preempted (recompute: its prompt plus generated tokens are prefilled
+  again); when a completing prefill finds no decode rank and nothing else can free
+  pages, the latest-arrived in-progress prefill is preempted;
+* requests that could never fit one rank are refused by ``add`` (the caller aborts them).
+
+``abort``/``finish`` between ``schedule`` and ``commit`` take effect at ``commit`` so an
+executor never reads freed pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from conflux_jax.executor.base import DecodeSlot, IterationPlan, PrefillPiece, StepResult
+from conflux_jax.executor.block_manager import BlockManager
+from conflux_jax.scheduler.admission import moore_hodgson
+from conflux_jax.scheduler.config import SchedulerConfig
+from conflux_jax.scheduler.latency import LatencyModel
+from conflux_jax.scheduler.placement import place_decode
+from conflux_jax.scheduler.request import Request, RequestState
+from conflux_jax.scheduler.waterfill import Dispatcher, waterfill_assign
+
+_SKIP = -2  # candidate cannot start now (KV); try the next one
+_STOP = -3  # completing chunk has no decode rank: stop admitting this iteration
+
+
+class Scheduler:
+    """Host-side scheduler of one XP instance (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, model: LatencyModel,
+                 blocks: BlockManager) -> None:
+        if model.num_ranks != blocks.num_ranks:
+            raise ValueError(f"latency model has {model.num_ranks} ranks, "
+                             f"block manager {blocks.num_ranks}")
+        if config.mode == "tp_chunked" and blocks.num_ranks != 1:
+            raise ValueError("tp_chunked runs the instance as one logical TP rank (N=1)")
+        self.cfg = config
+        self.model = model
+        self.blocks = blocks
+        self.n = blocks.num_ranks
+        self._states: dict[int, RequestState] = {}
+        self._pending: dict[int, RequestState] = {}  # waiting or mid-prefill
+        self._decodes: dict[int, RequestState] = {}
+        self._n_d = [0] * self.n  # resident decodes per rank
+        self._ctx = [0] * self.n  # summed decode KV length per rank
+        self._released: list[int] = []
+        self._deferred: list[tuple[int, str]] = []
+        self._inflight = False
+        self._preempted_now: list[int] = []
+        self.num_preemptions = 0
+
+    # ---- request intake and exit ----------------------------------------------------
+    def fits(self, req: Request) -> bool:
+        """Could ``req`` ever run alone (prefill pages + decode KV + headroom on a rank)?"""
+        total = req.prompt_len + req.max_new_tokens
+        bm = self.blocks
+        need = (bm.decode_pages_for(total) + bm.prefill_pages_for(total)
+                + self.cfg.headroom_pages)
+        return need <= bm.num_pages
+
+    def add(self, req: Request) -> bool:
+        """Queue ``req``; False (nothing queued) if it can never fit the KV pools."""
+        if req.id in self._states:
+            raise ValueError(f"duplicate request id {req.id}")
+        if not self.fits(req):
+            return False
+        st = RequestState(req, req.arrival_s + self.cfg.ttft_slo_s, req.prompt_len)
+        self._states[req.id] = st
+        self._pending[req.id] = st
+        return True
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request and free its pages (deferred to ``commit`` mid-iteration)."""
+        if self._inflight:
+            self._deferred.append((request_id, "abort"))
+        else:
+            self._drop(request_id)
+
+    def finish(self, request_id: int) -> None:
+        """The engine saw EOS / a stop condition: same as abort for the scheduler."""
+        self.abort(request_id)
+
+    def _drop(self, request_id: int) -> None:
+        st = self._states.pop(request_id, None)
+        if st is None:
+            return
+        if request_id in self.blocks:
+            self.blocks.free(request_id)
+        if st.phase == "decode":
+            del self._decodes[request_id]
+            self._n_d[st.rank] -= 1
+            self._ctx[st.rank] -= st.kv_len
+        else:
+            self._pending.pop(request_id, None)
+        st.phase = "done"
+        self._released.append(request_id)
+
+    # ---- introspection ----------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending or self._decodes)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_decoding(self) -> int:
+        return len(self._decodes)
+
+    def state(self, request_id: int) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def decode_ranks(self) -> dict[int, int]:
+        return {rid: st.rank for rid, st in self._decodes.items()}
+
+    def queued_work(self) -> int:
+        """Remaining prefill tokens of queued requests (the router's load signal)."""
+        return sum(st.remaining for st in self._pending.values())
+
+    # ---- the iteration -----------------------------------------------------------------
+    def schedule(self, now: float) -> IterationPlan:
+        """Build the next iteration's plan at time ``now``."""
+        if self._inflight:
+            raise RuntimeError("schedule() called twice without commit()")
+        self._inflight = True
+        preempted: list[int] = []
+        mode = self.cfg.mode
+        if mode == "isolated" and self._pending:
+            pieces, est = self._dispatch_simple(now, preempted, isolated=True)
+            if pieces:
+                return self._plan(tuple(pieces), (), est, "isolated_prefill", preempted)
+        slots = self._grow_decodes(preempted)
+        if mode == "conflux":
+            pieces, est = self._dispatch_conflux(now, preempted)
+        elif mode == "tp_chunked":
+            pieces, est = self._dispatch_simple(now, preempted, isolated=False)
+        else:
+            pieces, est = [], self._decode_only_estimate()
+        plan_mode = "isolated_decode" if mode == "isolated" else mode
+        return self._plan(tuple(pieces), slots, est, plan_mode, preempted)
+
+    def _plan(self, pieces: tuple[PrefillPiece, ...], slots: tuple[DecodeSlot, ...],
+              est: float, mode: str, preempted: list[int]) -> IterationPlan:
+        released = tuple(self._released)
+        self._released = []
+        return IterationPlan(prefill=pieces, decode=slots, estimated_latency_s=est,
+                             mode=mode, released=released,  # type: ignore[arg-type]
+                             preempted=tuple(preempted), fits_slo=est <= self.cfg.tbt_slo_s)
+
+    def commit(self, plan: IterationPlan, result: StepResult | None = None) -> list[int]:
+        """Apply an executed plan; returns the ids of requests that finished."""
+        self._inflight = False
+        finished: list[int] = []
+        bm = self.blocks
+        states = self._states
+        for p in plan.prefill:
+            st = states.get(p.request_id)
+            if st is None or st.phase != "prefill":
+                continue
+            st.prefilled += p.length
+            if p.completes:
+                rid, rank = st.id, p.decode_rank
+                assert rank is not None
+                bm.release_prefill(rid)
+                del self._pending[rid]
+                st.phase = "decode"
+                st.rank = rank
+                st.kv_len = st.prefilled
+                st.kv_cap = bm.decode_pages_for(st.prefilled + 1) * bm.page_size
+                st.slot = DecodeSlot(rid, rank)
+                self._decodes[rid] = st
+                self._n_d[rank] += 1
+                self._ctx[rank] += st.kv_len
+                st.generated += 1
+                if st.generated >= st.req.max_new_tokens:
+                    finished.append(rid)
+        ctx = self._ctx
+        decodes = self._decodes
+        for d in plan.decode:
+            st = decodes.get(d.request_id)
+            if st is None:
+                continue
+            st.kv_len += 1
+            ctx[d.rank] += 1
+            st.generated += 1
+            if st.generated >= st.req.max_new_tokens:
+                finished.append(d.request_id)
+        for rid in finished:
+            self._drop(rid)
+        for rid, _ in self._deferred:
+            self._drop(rid)
+        self._deferred.clear()
+        return finished
+
+    # ---- decode growth and preemption ---------------------------------------------------
+    def _grow_decodes(self, preempted: list[int]) -> tuple[DecodeSlot, ...]:
+        bm = self.blocks
+        ps = bm.page_size
+        for st in list(self._decodes.values()):
+            if st.phase != "decode" or st.kv_len + 1 <= st.kv_cap:
+                continue
+            while not bm.can_append_decode(st.id, st.kv_len + 1):
+                victim = self._victim(st.rank)
+                self._preempt(victim, preempted)
+                if victim is st:
+                    break
+            if st.phase == "decode":
+                st.kv_cap += ps * len(bm.append_decode(st.id, st.kv_len + 1))
+        return tuple(st.slot for st in self._decodes.values())  # type: ignore[misc]
+
+    def _victim(self, rank: int, exclude: Iterable[int] = ()) -> RequestState:
+        """Latest-arrived request holding pages on ``rank`` (decode there, or prefill)."""
+        skip = set(exclude)
+        best: RequestState | None = None
+        for pool in (self._decodes.values(), self._pending.values()):
+            for st in pool:
+                if st.id in skip or (st.phase == "decode" and st.rank != rank):
+                    continue
+                if st.phase == "waiting":
+                    continue
+                if best is None or (st.req.arrival_s, st.id) > (best.req.arrival_s, best.id):
+                    best = st
+        if best is None:
+            raise RuntimeError(f"no request holds pages on rank {rank}")
+        return best
+
+    def _preempt(self, st: RequestState, preempted: list[int]) -> None:
+        self.blocks.free(st.id)
+        if st.phase == "decode":
+            del self._decodes[st.id]
+            self._n_d[st.rank] -= 1
+            self._ctx[st.rank] -= st.kv_len
+            self._pending[st.id] = st
+        st.phase = "waiting"
+        st.target = st.req.prompt_len + st.generated
+        st.prefilled = st.kv_len = st.kv_cap = 0
+        st.rank = -1
+        st.slot = None
+        st.preemptions += 1
+        self.num_preemptions += 1
+        preempted.append(st.id)
+        self._released.append(st.id)
+
+    # ---- prefill candidates -----------------------------------------------------------
+    def _candidates(self, now: float, preempted: list[int],
+                    disp: Dispatcher | None) -> list[RequestState]:
+        skip = set(preempted)
+        cands = [st for st in self._pending.values() if st.id not in skip]
+        order = self.cfg.order
+        if order == "fcfs":
+            cands.sort(key=lambda s: (s.req.arrival_s, s.id))
+        elif order == "srpt":
+            cands.sort(key=lambda s: (s.remaining, s.req.arrival_s, s.id))
+        else:
+            b0 = disp.budget()[0] if disp is not None else self._static_budget()
+            adm, rej = moore_hodgson([(s.deadline_s, s.remaining, s) for s in cands],
+                                     b0, now, self.cfg.tbt_slo_s)
+            cands = adm + rej
+        return cands
+
+    def _static_budget(self) -> int:
+        if self.cfg.mode == "tp_chunked":
+            return max(0, self.cfg.token_budget - len(self._decodes))
+        return self.cfg.max_tokens_per_rank * self.n
+
+    def _reserve(self, st: RequestState, completes: bool, tent_ctx: list[int],
+                 tent_n: list[int], in_plan: set[int], placed: int) -> int:
+        """Take KV for a chunk of ``st``: prefill pages if it starts, decode pages if it
+        completes. Returns the decode rank, -1 (not completing), _SKIP or _STOP."""
+        bm = self.blocks
+        started = st.phase == "prefill"
+        pre_need = 0 if started else bm.prefill_pages_for(st.target)
+        if pre_need > bm.min_free_pages():
+            return _SKIP
+        rank = -1
+        if completes:
+            need = bm.decode_pages_for(st.target + 1)
+            cap = self.cfg.max_decodes_per_rank
+            while True:
+                free = [bm.free_pages(r) - pre_need for r in range(self.n)]
+                if cap is not None:  # a full rank is infeasible however much KV it has
+                    free = [-1 if tent_n[r] >= cap else f for r, f in enumerate(free)]
+                got = place_decode(need, free, bm.num_pages, tent_ctx, self.cfg.eta,
+                                   self.cfg.headroom_pages)
+                if got is not None:
+                    rank = got
+                    break
+                # Nothing else will free pages: no decodes, no transition this iteration.
+                if self._decodes or placed:
+                    return _STOP
+                victims = [s for s in self._pending.values()
+                           if s.phase == "prefill" and s is not st and s.id not in in_plan]
+                if not victims:
+                    return _STOP
+                v = max(victims, key=lambda s: (s.req.arrival_s, s.id))
+                self._preempt(v, self._preempted_now)
+                pre_need = 0 if started else bm.prefill_pages_for(st.target)
+        if not started:
+            bm.allocate_prefill(st.id, st.target)
+            st.phase = "prefill"
+        if completes:
+            bm.transition(st.id, rank, st.target + 1, keep_prefill=True)
+            tent_ctx[rank] += st.target + 1
+            tent_n[rank] += 1
+        return rank
+
+    def _transfer_fits(self, st: RequestState, moved: int) -> bool:
+        """Can this iteration also move ``st``'s KV to a decode rank (executor limit)?"""
+        cap = self.cfg.max_transfer_groups
+        return cap is None or moved == 0 or \
+            moved + self.blocks.prefill_pages_for(st.target) <= cap
+
+    def _dispatch_conflux(self, now: float,
+                          preempted: list[int]) -> tuple[list[PrefillPiece], float]:
+        n_d, ctx = self._n_d, self._ctx
+        w_max = max(c + d for c, d in zip(ctx, n_d, strict=True))
+        disp = Dispatcher(self.model, self.cfg.tbt_slo_s, n_d, self.model.decode_path(w_max),
+                          self.cfg.quantum, self.cfg.max_tokens_per_rank)
+        pieces: list[PrefillPiece] = []
+        if not self._pending:
+            return pieces, disp.estimate()
+        self._preempted_now = preempted
+        tent_ctx = list(ctx)
+        tent_n = list(n_d)
+        in_plan: set[int] = set()
+        placed = moved = 0
+        max_pieces = self.cfg.max_prefill_pieces
+        for st in self._candidates(now, preempted, disp):
+            if max_pieces is not None and len(pieces) >= max_pieces:
+                break
+            if st.id in preempted:
+                continue
+            rem = st.remaining
+            length, add = disp.dispatch(rem, st.prefilled)
+            if length == 0:
+                if pieces or self._decodes:
+                    break
+                # Liveness: even one quantum misses the SLO on an idle instance. Run a
+                # minimal chunk anyway (the plan says it does not fit) rather than stall.
+                length = min(rem, self.cfg.quantum)
+                add = waterfill_assign(disp.loads, length)
+            completes = length == rem
+            if completes and not self._transfer_fits(st, moved):
+                if length == 1:
+                    continue
+                length, completes = length - 1, False  # complete next iteration instead
+                add = list(add)
+                add[max(range(self.n), key=add.__getitem__)] -= 1
+            rank = self._reserve(st, completes, tent_ctx, tent_n, in_plan, placed)
+            if rank == _SKIP:
+                continue
+            if rank == _STOP:
+                break
+            placed += completes
+            moved += self.blocks.prefill_pages_for(st.target) if completes else 0
+            in_plan.add(st.id)
+            disp.commit(add, st.prefilled)
+            pieces.append(PrefillPiece(st.id, st.prefilled, tuple(add), completes,
+                                       rank if completes else None))
+        return pieces, disp.estimate()
+
+    def _dispatch_simple(self, now: float, preempted: list[int],
+                         isolated: bool) -> tuple[list[PrefillPiece], float]:
+        """Token-budget dispatch: uniform-TP chunked prefill, or isolated SP prefill."""
+        n = self.n
+        budget = self._static_budget()
+        pieces: list[PrefillPiece] = []
+        self._preempted_now = preempted
+        tent_ctx = list(self._ctx)
+        tent_n = list(self._n_d)
+        in_plan: set[int] = set()
+        placed = moved = 0
+        n_p = [0] * n
+        a_p = 0.0
+        max_pieces = self.cfg.max_prefill_pieces
+        for st in self._candidates(now, preempted, None):
+            if budget <= 0 or (max_pieces is not None and len(pieces) >= max_pieces):
+                break
+            if st.id in preempted:
+                continue
+            rem = st.remaining
+            length = min(rem, budget)
+            completes = length == rem
+            if completes and not self._transfer_fits(st, moved):
+                if length == 1:
+                    continue
+                length, completes = length - 1, False  # complete next iteration instead
+            rank = self._reserve(st, completes, tent_ctx, tent_n, in_plan, placed)
+            if rank == _SKIP:
+                continue
+            if rank == _STOP:
+                break
+            placed += completes
+            moved += self.blocks.prefill_pages_for(st.target) if completes else 0
+            in_plan.add(st.id)
+            # Fill the lightest ranks first so no rank exceeds its token bucket.
+            counts = tuple(waterfill_assign(n_p, length))
+            for r, c in enumerate(counts):
+                n_p[r] += c
+            a_p += length * (st.prefilled + (length + 1) / 2)
+            budget -= length
+            pieces.append(PrefillPiece(st.id, st.prefilled, counts, completes,
+                                       rank if completes else None))
+        if isolated:
+            est = self.model.iteration(max(n_p), max(n_p), a_p, 0.0)
+        else:
+            loads = [p + d for p, d in zip(n_p, self._n_d, strict=True)]
+            w_max = max(c + d for c, d in zip(self._ctx, self._n_d, strict=True))
+            est = self.model.iteration(max(loads), max(n_p), a_p, self.model.decode_path(w_max))
+        return pieces, est
+
+    def _decode_only_estimate(self) -> float:
+        w_max = max(c + d for c, d in zip(self._ctx, self._n_d, strict=True))
+        return self.model.iteration(max(self._n_d), 0, 0.0, self.model.decode_path(w_max))

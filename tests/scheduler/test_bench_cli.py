@@ -1,0 +1,53 @@
+"""Bench CLI: subcommand dispatch, scheduler-overhead and sim smoke runs with --json."""
+
+import json
+
+from conflux_jax.bench.__main__ import SUBCOMMANDS, main
+from conflux_jax.bench.sim import goodput
+from conflux_jax.bench.workloads import TOOLAGENT_OUTPUT, TOOLAGENT_PROMPT, at_rate, toolagent_like
+
+
+def test_usage_and_unknown_subcommand(capsys) -> None:
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+    assert "scheduler-overhead" in capsys.readouterr().out
+    assert main(["nope"]) == 2
+    assert {"scheduler-overhead", "sim", "kernels"} <= set(SUBCOMMANDS)
+
+
+def test_scheduler_overhead_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "o.json"
+    assert main(["scheduler-overhead", "--depths", "10", "50", "--steps", "5",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["depth"] for r in rows] == [10, 50]
+    assert all(r["mean_ms"] > 0 and r["paper_mean_ms"] for r in rows)
+    assert "0.36" in capsys.readouterr().out
+
+
+def test_sim_writes_json_and_png(tmp_path) -> None:
+    out = tmp_path / "s.json"
+    assert main(["sim", "--model", "qwen3-14b", "--rates", "1", "6", "--num-requests", "60",
+                 "--policies", "ConfluxServe", "Chunked", "LoongServe",
+                 "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert set(d["goodput_rps"]) == {"ConfluxServe", "Chunked", "LoongServe"}
+    assert [r["rate"] for r in d["results"]["ConfluxServe"]] == [1, 6]
+    assert 0.0 <= d["results"]["Chunked"][0]["attainment"] <= 1.0
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_goodput_and_workloads() -> None:
+    assert goodput([1, 2, 3, 4], [1.0, 0.96, 0.9, 0.97]) == 4
+    assert goodput([1, 2], [0.5, 0.2]) == 0.0
+    base = toolagent_like(4000, seed=1)
+    prompts = sorted(p for _, p, _ in base)
+    outs = sorted(o for _, _, o in base)
+    assert abs(prompts[2000] / TOOLAGENT_PROMPT[0] - 1) < 0.1
+    assert abs(prompts[3800] / TOOLAGENT_PROMPT[1] - 1) < 0.15
+    assert abs(outs[2000] / TOOLAGENT_OUTPUT[0] - 1) < 0.15
+    reqs = at_rate(base, rate=5.0, num=1000, max_context=32_768)
+    assert len(reqs) == 1000
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    assert abs(999 / span - 5.0) < 1e-6
+    assert max(r.prompt_len + r.max_new_tokens for r in reqs) <= 32_768

@@ -1,0 +1,92 @@
+"""Latency model: evaluation rules, JSON round trip, least-squares fit and MAPE."""
+
+import random
+
+import pytest
+
+from conflux_jax.scheduler.latency import (
+    Affine,
+    BatchShape,
+    LatencyModel,
+    ProfileSample,
+    fit,
+    mape,
+)
+
+TRUE = LatencyModel(num_layers=4, num_ranks=4, gemm=Affine(2e-6, 1e-4), dec=Affine(3e-8, 2e-5),
+                    pre=Affine(5e-10, 3e-5), comm=Affine(1e-7, 4e-5), alpha=1.25, beta=1.1)
+
+
+def _random_shape(rng: random.Random, kind: str, n: int = 4) -> BatchShape:
+    n_p = [0] * n
+    n_d = [0] * n
+    w_d = [0] * n
+    a_p = 0.0
+    if kind in ("prefill", "mixed"):
+        length, ctx = rng.randint(32, 10_000), rng.choice([0, rng.randint(0, 16_000)])
+        base, extra = divmod(length, n)
+        n_p = [base + (r < extra) for r in range(n)]
+        a_p = length * (ctx + (length + 1) / 2)
+    if kind in ("decode", "mixed"):
+        for _ in range(rng.randint(1, 128)):
+            r = rng.randrange(n)
+            n_d[r] += 1
+            w_d[r] += rng.randint(1_000, 16_000)
+    return BatchShape(tuple(n_p), tuple(n_d), tuple(w_d), a_p)
+
+
+def _samples(rng: random.Random, model: LatencyModel, count: int) -> list[ProfileSample]:
+    kinds = ["prefill", "decode", "mixed", "mixed"]
+    return [ProfileSample(s, model.estimate(s))
+            for s in (_random_shape(rng, kinds[i % 4]) for i in range(count))]
+
+
+def test_empty_components_cost_nothing() -> None:
+    assert TRUE.estimate(BatchShape((0,) * 4, (0,) * 4, (0,) * 4, 0.0)) == 0.0
+    dec_only = BatchShape((0,) * 4, (2, 0, 0, 0), (100, 0, 0, 0), 0.0)
+    want = 4 * (TRUE.gemm(2) + TRUE.dec(100))
+    assert TRUE.estimate(dec_only) == pytest.approx(want)
+
+
+def test_contention_applies_only_to_mixed_batches() -> None:
+    pre_only = BatchShape((10, 10, 10, 10), (0,) * 4, (0,) * 4, 40 * 20.5)
+    t_p = TRUE.comm(10) + TRUE.pre(40 * 20.5 / 4)
+    assert TRUE.estimate(pre_only) == pytest.approx(4 * (TRUE.gemm(10) + t_p))
+    mixed = BatchShape((10, 10, 10, 10), (1, 0, 0, 0), (5000, 0, 0, 0), 40 * 20.5)
+    attn = max(TRUE.beta * t_p, TRUE.alpha * TRUE.dec(5000))
+    assert TRUE.estimate(mixed) == pytest.approx(4 * (TRUE.gemm(11) + attn))
+
+
+def test_critical_rank_and_path() -> None:
+    # The max over ranks decides, not the sum: moving decode context between ranks
+    # changes the estimate only through the heaviest rank.
+    a = BatchShape((0,) * 4, (1, 1, 0, 0), (8000, 8000, 0, 0), 0.0)
+    b = BatchShape((0,) * 4, (2, 0, 0, 0), (16000, 0, 0, 0), 0.0)
+    assert TRUE.estimate(b) > TRUE.estimate(a)
+
+
+def test_json_round_trip(tmp_path) -> None:
+    path = tmp_path / "c.json"
+    TRUE.save(path)
+    assert LatencyModel.load(path) == TRUE
+
+
+def test_fit_recovers_model_from_iteration_samples() -> None:
+    rng = random.Random(0)
+    train, held_out = _samples(rng, TRUE, 200), _samples(rng, TRUE, 200)
+    fitted = fit(train, num_layers=4, num_ranks=4, meta={"model": "toy"})
+    assert mape(fitted, held_out) < 1.0
+    assert fitted.alpha == pytest.approx(TRUE.alpha, abs=0.051)
+    assert fitted.meta["model"] == "toy" and fitted.meta["source"] == "profile"
+
+
+def test_fit_with_noise_stays_accurate() -> None:
+    rng = random.Random(1)
+    noisy = [ProfileSample(s.shape, s.seconds * (1 + rng.gauss(0, 0.03)))
+             for s in _samples(rng, TRUE, 300)]
+    fitted = fit(noisy, num_layers=4, num_ranks=4)
+    assert mape(fitted, _samples(rng, TRUE, 200)) < 5.0
+
+
+def test_mape_of_exact_model_is_zero() -> None:
+    assert mape(TRUE, _samples(random.Random(2), TRUE, 20)) == pytest.approx(0.0)

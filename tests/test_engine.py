@@ -1,0 +1,150 @@
+"""The engine on the real Conflux executor (4 simulated CPU devices).
+
+Oracle: solo greedy generation with the dense single-device reference.
+"""
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from tiny_models import TINY_LLAMA
+
+from conflux_jax import reference
+from conflux_jax.engine import Engine, EngineConfig, EngineError
+from conflux_jax.executor.buckets import BucketConfig
+from conflux_jax.executor.jax_executor import ExecutorConfig
+from conflux_jax.models.decoder import random_params
+from conflux_jax.sampling import SamplingParams
+from conflux_jax.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+
+PARAMS = random_params(TINY_LLAMA, seed=1, scale=0.2)
+BUCKETS = BucketConfig(tokens=(8, 32), decode=(16,), max_prefill_seqs=4)
+
+
+def word_tokenizer() -> Tokenizer:
+    """Token i <-> word "w{i}"; EOS is token 2."""
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(TINY_LLAMA.vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    return Tokenizer(backend, eos_token_ids=(2,))
+
+
+def make_engine(policy="conflux", mesh="sp=4,tp=1", num_pages=128) -> Engine:
+    ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=num_pages, max_model_len=128,
+                        buckets=BUCKETS)
+    return Engine(TINY_LLAMA, PARAMS, word_tokenizer(), EngineConfig(executor=ec, policy=policy))
+
+
+def solo_greedy(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    reference.ReferenceGenerator(TINY_LLAMA, PARAMS).generate(
+        [prompt], [SamplingParams(max_tokens=n, temperature=0)],
+        lambda row, tok, lp, top: (out.append(tok), len(out) >= n)[1])
+    return out
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 70, count)]
+
+
+@pytest.mark.parametrize("policy,mesh,count", [
+    ("conflux", "sp=4,tp=1", 20),
+    ("fcfs", "sp=4,tp=1", 8),
+    ("isolated", "sp=4,tp=1", 8),
+    ("chunked", "sp=1,tp=4", 8),
+])
+def test_concurrent_greedy_equals_solo_reference(policy, mesh, count):
+    engine = make_engine(policy, mesh)
+    prompts = _prompts(count, seed=count)
+    budgets = [int(b) for b in np.random.default_rng(1).integers(1, 12, count)]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=b, temperature=0,
+                                                    ignore_eos=True) for b in budgets])
+    for prompt, budget, out in zip(prompts, budgets, outs, strict=True):
+        assert out.outputs[0].token_ids == solo_greedy(prompt, budget)
+        assert out.outputs[0].finish_reason == "length"
+    bm = engine.executor.block_manager
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+
+
+def test_kv_pressure_preempts_and_recomputes_without_changing_outputs():
+    engine = make_engine(num_pages=32)  # too few pages for 12 growing decodes at once
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(4, 16, 12)]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=60, temperature=0,
+                                                    ignore_eos=True)] * 12)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == solo_greedy(prompt, 60)
+    assert engine.scheduler.num_preemptions > 0
+    bm = engine.executor.block_manager
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions():
+    engine = make_engine()
+    sp = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7]], [sp])[0].outputs[0].token_ids
+    crowd = engine.generate([[5, 6, 7]] + _prompts(5, 9),
+                            [sp] + [SamplingParams(max_tokens=5, temperature=0.7)] * 5)
+    assert crowd[0].outputs[0].token_ids == alone
+
+
+def test_stop_strings_eos_and_text():
+    engine = make_engine()
+    prompt = _prompts(1, 3)[0]
+    full = solo_greedy(prompt, 8)
+    stop_word = f"w{full[3]}"
+    out = engine.generate([prompt], [SamplingParams(max_tokens=8, temperature=0,
+                                                    stop=[stop_word], ignore_eos=True)])[0]
+    first = full.index(full[3])
+    expect_text = " ".join(f"w{t}" for t in full[:first])
+    assert out.outputs[0].text.strip() == expect_text
+    assert out.outputs[0].finish_reason == "stop"
+    out = engine.generate([prompt], [SamplingParams(max_tokens=8, temperature=0,
+                                                    stop_token_ids=[full[2]])])[0]
+    assert out.outputs[0].token_ids == full[: full.index(full[2]) + 1]
+
+
+def test_abort_frees_pages_and_bad_input_is_rejected():
+    engine = make_engine()
+    rid = engine.add_request(_prompts(1, 4)[0], SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    engine.step()
+    engine.abort(rid)
+    while engine.scheduler.has_work:
+        engine.step()
+    bm = engine.executor.block_manager
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+    with pytest.raises(EngineError, match="context"):
+        engine.add_request([3] * 200, SamplingParams())
+    with pytest.raises(EngineError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(EngineError, match="token ids"):
+        engine.add_request([99999], SamplingParams())
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
+    engine = make_engine()
+    real_run = engine.executor.run
+    calls = {"n": 0}
+
+    def flaky(plan):  # fault injection at the executor boundary, once
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected device failure")
+        return real_run(plan)
+
+    engine.executor.run = flaky
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == rid][-1] == "error"
+    ok = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0,
+                                                      ignore_eos=True)])[0]
+    assert ok.outputs[0].token_ids == solo_greedy([5, 6, 7], 4)
+    bm = engine.executor.block_manager
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
