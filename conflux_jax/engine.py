@@ -104,8 +104,15 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams,
-                    arrival_s: float | None = None) -> int:
-        """Queue a request; returns its id. Raises ``EngineError`` for invalid input."""
+                    arrival_s: float | None = None, ttft_slo_s: float | None = None,
+                    tbt_slo_s: float | None = None) -> int:
+        """Queue a request; returns its id. Raises ``EngineError`` for invalid input.
+
+        ``ttft_slo_s``/``tbt_slo_s`` override the engine's SLOs for this request.
+        """
+        for name, slo in (("ttft_slo_s", ttft_slo_s), ("tbt_slo_s", tbt_slo_s)):
+            if slo is not None and not slo > 0:
+                raise EngineError(f"{name} must be positive")
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -124,7 +131,8 @@ class Engine:
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(31)
         now = time.perf_counter() if arrival_s is None else arrival_s
-        request = Request(id=rid, arrival_s=now, prompt_len=len(ids), max_new_tokens=max_new)
+        request = Request(id=rid, arrival_s=now, prompt_len=len(ids), max_new_tokens=max_new,
+                          ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s)
         self.sequences[rid] = SequenceData(list(ids), len(ids), sampling, seed % 2**32)
         if not self.scheduler.add(request):
             del self.sequences[rid]

@@ -12,12 +12,18 @@ Phase = Literal["waiting", "prefill", "decode", "done"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Request:
-    """What the scheduler needs to know about a request: id, arrival and lengths."""
+    """What the scheduler needs to know about a request: id, arrival and lengths.
+
+    ``ttft_slo_s``/``tbt_slo_s`` override the instance's SLOs for this request (the
+    server's per-request SLO extension); None = the instance default.
+    """
 
     id: int
     arrival_s: float
     prompt_len: int
     max_new_tokens: int
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1:

@@ -63,6 +63,7 @@ class Scheduler:
         self._inflight = False
         self._preempted_now: list[int] = []
         self.num_preemptions = 0
+        self._tau = config.tbt_slo_s  # this iteration's TBT bound (per-request SLOs)
 
     # ---- request intake and exit ----------------------------------------------------
     def fits(self, req: Request) -> bool:
@@ -79,7 +80,8 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.id}")
         if not self.fits(req):
             return False
-        st = RequestState(req, req.arrival_s + self.cfg.ttft_slo_s, req.prompt_len)
+        ttft = req.ttft_slo_s if req.ttft_slo_s is not None else self.cfg.ttft_slo_s
+        st = RequestState(req, req.arrival_s + ttft, req.prompt_len)
         self._states[req.id] = st
         self._pending[req.id] = st
         return True
@@ -139,6 +141,10 @@ class Scheduler:
         if self._inflight:
             raise RuntimeError("schedule() called twice without commit()")
         self._inflight = True
+        # The tightest TBT SLO among resident decodes bounds every iteration's latency.
+        default = self.cfg.tbt_slo_s
+        self._tau = min((default if (t := st.req.tbt_slo_s) is None else t
+                         for st in self._decodes.values()), default=default)
         preempted: list[int] = []
         mode = self.cfg.mode
         if mode == "isolated" and self._pending:
@@ -161,7 +167,7 @@ class Scheduler:
         self._released = []
         return IterationPlan(prefill=pieces, decode=slots, estimated_latency_s=est,
                              mode=mode, released=released,  # type: ignore[arg-type]
-                             preempted=tuple(preempted), fits_slo=est <= self.cfg.tbt_slo_s)
+                             preempted=tuple(preempted), fits_slo=est <= self._tau)
 
     def commit(self, plan: IterationPlan, result: StepResult | None = None) -> list[int]:
         """Apply an executed plan; returns the ids of requests that finished."""
@@ -270,7 +276,7 @@ class Scheduler:
         else:
             b0 = disp.budget()[0] if disp is not None else self._static_budget()
             adm, rej = moore_hodgson([(s.deadline_s, s.remaining, s) for s in cands],
-                                     b0, now, self.cfg.tbt_slo_s)
+                                     b0, now, self._tau)
             cands = adm + rej
         return cands
 
@@ -330,7 +336,7 @@ class Scheduler:
                           preempted: list[int]) -> tuple[list[PrefillPiece], float]:
         n_d, ctx = self._n_d, self._ctx
         w_max = max(c + d for c, d in zip(ctx, n_d, strict=True))
-        disp = Dispatcher(self.model, self.cfg.tbt_slo_s, n_d, self.model.decode_path(w_max),
+        disp = Dispatcher(self.model, self._tau, n_d, self.model.decode_path(w_max),
                           self.cfg.quantum, self.cfg.max_tokens_per_rank)
         pieces: list[PrefillPiece] = []
         if not self._pending:

@@ -217,3 +217,28 @@ def test_executor_shape_limits_are_respected(mode: str) -> None:
                    checked, ex, TTFT, TBT, on_plan=on_plan)
     assert all(r.finish_s is not None for r in rep.records)
     assert seen["pieces"] == 2 and seen["decodes"] == 6
+
+
+def test_per_request_slos_set_the_deadline_and_the_iteration_bound():
+    from conflux_jax.executor.block_manager import BlockManager
+    from conflux_jax.scheduler.config import SchedulerConfig
+    from conflux_jax.scheduler.request import Request
+    from conflux_jax.scheduler.roofline import roofline_model
+    from conflux_jax.scheduler.scheduler import Scheduler
+
+    model = roofline_model("qwen3-14b", "h100", 4)
+    sched = Scheduler(SchedulerConfig(tbt_slo_s=0.1, ttft_slo_s=2.0), model,
+                      BlockManager(4, 4096, 16))
+    sched.add(Request(1, 0.0, 300, 5, ttft_slo_s=0.5, tbt_slo_s=0.03))
+    sched.add(Request(2, 0.0, 300, 5))
+    assert sched.state(1).deadline_s == 0.5
+    assert sched.state(2).deadline_s == 2.0
+    for _ in range(20):  # run until request 1 is decoding
+        plan = sched.schedule(0.0)
+        sched.commit(plan)
+        if 1 in sched.decode_ranks():
+            break
+    plan = sched.schedule(0.0)
+    # While request 1 decodes, every iteration must fit its tighter 30 ms TBT SLO.
+    assert plan.estimated_latency_s <= 0.03 or not plan.fits_slo
+    assert plan.fits_slo == (plan.estimated_latency_s <= 0.03)
