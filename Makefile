@@ -1,8 +1,8 @@
-# Quick start: `make generate` (or `make serve` once the server lands) and `make test`.
+# Quick start: `make serve` and `make test` (README.md); `make generate` chats once.
 PY := .venv/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
 
-.PHONY: setup setup-test generate test lint
+.PHONY: setup setup-test generate serve test lint
 
 setup:
 	scripts/setup.sh
@@ -12,6 +12,9 @@ setup-test:
 
 generate: setup
 	$(PY) -m conflux_jax chat "What is the capital of France?"
+
+serve: setup
+	$(PY) -m serving --model default
 
 test: setup-test
 	$(PY) -m pytest -q

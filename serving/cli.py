@@ -1,0 +1,192 @@
+"""``conflux-serve`` / ``python -m serving``: load a model, warm up, serve OpenAI's API.
+
+Order matters: on CPU the mesh is simulated with host devices, which XLA only honours if
+the flag is set before the jax backend initialises, so this module touches nothing from
+jax (or conflux_jax) until the arguments are parsed and the flag is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+log = logging.getLogger("serving")
+
+CPU_SIMULATED_DEVICES = 4
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="conflux-serve", description="OpenAI-compatible server on the Conflux engine.")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, an HF safetensors "
+                        "folder or an orbax checkpoint directory")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: the --model value)")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. 'sp=4,tp=1' (default: every device as an sp "
+                        f"rank; on CPU {CPU_SIMULATED_DEVICES} simulated host devices)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("CONFLUX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (or $CONFLUX_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests admitted and not finished; more are refused with 429")
+    p.add_argument("--ttft-slo", type=_positive, default=10.0, help="default TTFT SLO, s")
+    p.add_argument("--tbt-slo", type=_positive, default=1.0, help="default TBT SLO, s")
+    p.add_argument("--policy", default="conflux",
+                   choices=["conflux", "fcfs", "srpt", "chunked", "isolated"])
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=256, help="KV pages per rank")
+    p.add_argument("--token-buckets", type=_ints, default=(32, 128),
+                   help="token-buffer buckets per rank (each is compiled at warm-up)")
+    p.add_argument("--decode-buckets", type=_ints, default=(8, 32))
+    p.add_argument("--decode-page-buckets", type=_ints, default=(16,))
+    p.add_argument("--max-prefill-seqs", type=int, default=4)
+    p.add_argument("--max-logprobs", type=int, default=5,
+                   help="top alternatives computed per token (0-20)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--compile-cache", default=None,
+                   help="JAX persistent compilation cache directory, or 'off' (default: "
+                        "$CONFLUX_COMPILE_CACHE or ~/.cache/conflux_jax/xla)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _wants_gpu() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    return any(x in platforms for x in ("cuda", "gpu", "rocm", "tpu"))
+
+
+def _cpu_devices_for(mesh: str | None) -> int:
+    """Host devices to simulate: the default, or as many as an explicit ``--mesh`` names
+    (a malformed mesh is reported by ``MeshSpec.parse`` later, with its own message)."""
+    sizes = dict(re.findall(r"(sp|tp)\s*=\s*(\d+)", mesh or ""))
+    if "sp" not in sizes:
+        return CPU_SIMULATED_DEVICES
+    return max(1, int(sizes["sp"]) * int(sizes.get("tp", 1)))
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from conflux_jax.checkpoints import load_checkpoint
+    from conflux_jax.engine import Engine, EngineConfig
+    from conflux_jax.executor.buckets import BucketConfig
+    from conflux_jax.executor.jax_executor import ExecutorConfig
+
+    ckpt = load_checkpoint(args.model, dtype=args.dtype)
+    buckets = BucketConfig(tokens=args.token_buckets, decode=args.decode_buckets,
+                           decode_pages=args.decode_page_buckets,
+                           max_prefill_seqs=args.max_prefill_seqs)
+    executor = ExecutorConfig(mesh=args.mesh, page_size=args.page_size,
+                              num_pages=args.num_pages, max_model_len=args.max_model_len,
+                              buckets=buckets, dtype=args.dtype,
+                              num_top_logprobs=args.max_logprobs,
+                              compile_cache=args.compile_cache)
+    return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
+                  EngineConfig(executor=executor, policy=args.policy,
+                               ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":  # keep start-up to our few lines: warm-up, ready, stop
+        for noisy in ("jax", "absl", "orbax"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not _wants_gpu():
+        # Importing jax is harmless here: XLA reads the flag when the backend first
+        # initialises, which nothing has triggered yet. On a GPU host the flag only
+        # affects the (unused) CPU platform.
+        from conflux_jax.executor.mesh import simulate_cpu_devices
+
+        simulate_cpu_devices(_cpu_devices_for(args.mesh))
+    import uvicorn
+
+    from serving.app import ServerSettings, create_app
+    from serving.engine_loop import EngineLoop
+
+    try:
+        engine = build_engine(args)
+    except Exception as exc:  # a bad --model, mesh or bucket set: say why, no traceback
+        log.error("cannot start: %s", exc)
+        return 2
+    name = args.served_model_name or args.model
+    loop = EngineLoop(engine)
+    settings = ServerSettings(model_name=name, max_model_len=engine.max_model_len,
+                              api_key=args.api_key, max_queue=args.max_queue,
+                              max_body_bytes=args.max_body_bytes,
+                              max_logprobs=args.max_logprobs)
+    app = create_app(loop, settings)
+
+    def ready() -> None:
+        log.info("ready: serving %s at http://%s:%d/v1 (warm-up %.1f s, %d ranks)", name,
+                 args.host, args.port, loop.warmup_s or 0.0, engine.executor.num_ranks)
+
+    loop.on_ready = ready
+    # uvicorn's own start-up lines would repeat the address; our "ready" line says it once.
+    uv_level = "debug" if args.log_level == "debug" else "warning"
+    server = _draining_server(uvicorn.Config(app, host=args.host, port=args.port,
+                                             log_level=uv_level, access_log=False,
+                                             timeout_graceful_shutdown=120))
+    failed = False
+
+    def fatal() -> None:
+        nonlocal failed
+        failed = True
+        server.should_exit = True
+
+    loop.on_fatal = fatal
+    log.info("warming up %s: compiling every step shape", name)
+    loop.start(warmup=True)
+    server.run()  # returns after SIGTERM/SIGINT once in-flight requests have finished
+    loop.stop(drain=False, timeout=10)
+    log.info("stopped")
+    return 1 if failed else 0
+
+
+def _draining_server(config: Any) -> Any:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn drains in-flight requests on SIGTERM, then re-raises the signal, so the
+        process would die by it; a drained SIGTERM is a clean exit (status 0) here."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+                captured.remove(sig)
+                log.info("SIGTERM: draining in-flight requests, then exiting")
+
+    return DrainingServer(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""OpenAI request/response schemas (the subset we serve) and their mapping to SamplingParams.
+
+Requests are validated strictly enough that nothing a client sends can reach the engine
+in a shape it rejects with an exception we did not anticipate: every bound the engine or
+``SamplingParams`` enforces is mirrored here, so bad input is a 400, never a 500.
+Unknown fields are ignored (as OpenAI and vLLM do), so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+# A seed is folded into 32 bits by the engine; bounding it keeps the JSON schema finite.
+SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat (OpenAI names plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # -1 or 0 = off (vLLM)
+    seed: SeedInt | None = None
+    stop: str | list[Annotated[str, Field(max_length=MAX_STOP_LEN)]] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Per-request SLO extension (milliseconds), honoured by the scheduler.
+    ttft_slo_ms: float | None = Field(default=None, gt=0.0, le=1e9, allow_inf_nan=False)
+    tbt_slo_ms: float | None = Field(default=None, gt=0.0, le=1e9, allow_inf_nan=False)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, str) and len(v) > MAX_STOP_LEN:
+            raise ValueError(f"a stop string may be at most {MAX_STOP_LEN} characters")
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported (one choice per request)")
+        return v
+
+    def sampling_params(self, *, default_max_tokens: int | None,
+                        num_logprobs: int | None) -> SamplingParams:
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=num_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt`` is text or token ids (one prompt only)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt "
+                                 "per request")
+            v = v[0]
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Content as plain text: OpenAI's list-of-parts form keeps only text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    add_generation_prompt: bool = True
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+# ---------------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "conflux_jax"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,145 @@
+"""Serving test helpers: the tiny engine, an in-process live server, the CLI server."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+TINY_BUCKETS = dict(tokens=(16, 64), decode=(8,), decode_pages=(32,), max_prefill_seqs=4)
+MAX_MODEL_LEN = 256
+MAX_LOGPROBS = 5
+
+
+def build_tiny_engine(checkpoint: Path, **engine_kwargs: Any) -> Any:
+    from conflux_jax.checkpoints import load_checkpoint
+    from conflux_jax.engine import Engine, EngineConfig
+    from conflux_jax.executor.buckets import BucketConfig
+    from conflux_jax.executor.jax_executor import ExecutorConfig
+
+    ckpt = load_checkpoint(str(checkpoint))
+    ec = ExecutorConfig(page_size=8, num_pages=64, max_model_len=MAX_MODEL_LEN,
+                        buckets=BucketConfig(**TINY_BUCKETS), num_top_logprobs=MAX_LOGPROBS)
+    return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
+                  EngineConfig(executor=ec, **engine_kwargs))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 in a background thread, plus its engine loop."""
+
+    def __init__(self, engine: Any, **settings: Any) -> None:
+        import uvicorn
+
+        from serving.app import ServerSettings, create_app
+        from serving.engine_loop import EngineLoop
+
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.loop.start(warmup=False)
+        self.settings = ServerSettings(**{"model_name": "tiny",
+                                          "max_model_len": engine.max_model_len,
+                                          "max_logprobs": MAX_LOGPROBS,
+                                          "stop_loop_on_shutdown": False, **settings})
+        self.app = create_app(self.loop, self.settings)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.server
+
+    def client(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"),
+                             max_retries=0, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine holds no request and the HTTP side has none in flight."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished or self.state.inflight:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not idle after {timeout}s: engine holds "
+                                     f"{self.engine.num_unfinished}, http {self.state.inflight}")
+            time.sleep(0.02)
+
+    def leaked_pages(self) -> int:
+        bm = self.engine.executor.block_manager
+        return sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.loop.stop(drain=False, timeout=30)
+
+
+# ------------------------------------------------------------------------------ the CLI
+REPO = Path(__file__).resolve().parents[2]
+TINY_CLI_ARGS = ["--token-buckets", "16,64", "--decode-buckets", "8",
+                 "--decode-page-buckets", "32", "--max-prefill-seqs", "4", "--page-size", "8",
+                 "--num-pages", "64", "--max-model-len", str(MAX_MODEL_LEN)]
+
+
+class CliServer:
+    """``python -m serving ...`` as a subprocess (what ``make serve`` runs)."""
+
+    def __init__(self, args: list[str], log_path: Path, ready_timeout: float) -> None:
+        import subprocess
+
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(self.port),
+                                      *args], cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready after {ready_timeout}s:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60) -> int:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
