@@ -183,7 +183,9 @@ class Engine:
             if live.first_token_s is None:
                 live.first_token_s = now
             live.token_times.append(now)
-            delta = tracker.append(s.token, s.logprob, s.top if tracker.params.logprobs else None)
+            n_top = tracker.params.logprobs
+            top = dict(list(s.top.items())[:n_top]) if n_top else None  # top-k, best first
+            delta = tracker.append(s.token, s.logprob, top)
             outputs.append(StepOutput(
                 rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
                 [tracker.logprobs[-1]] if tracker.logprobs is not None else None))
