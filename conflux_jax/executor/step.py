@@ -30,7 +30,6 @@ from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params
 from conflux_jax.sampling import sample
-from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -97,9 +96,8 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     attn = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
 
     def attend(layer, q, k, v, kv):
-        kp, vp = kv
-        k_layer, v_layer = kp[layer], vp[layer]  # f[pages, ps, Hkv_l, d]
-        pages, _, hkv, hd = k_layer.shape
+        kp, vp = kv  # f[L, pages, ps, Hkv_l, d]: written in place, read one layer at a time
+        _, pages, _, hkv, hd = kp.shape
         out = jnp.zeros_like(q)
         if p:
             def to_heads(a):  # [P, H, d] -> [N*P, H/N, d] in kernel order
@@ -108,25 +106,26 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
 
             qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
             view = (pages, ps * n, hkv // n, hd)  # KV aliasing: a free reshape
-            kpv, vpv = write_kv(k_layer.reshape(view), v_layer.reshape(view), ka, va,
-                                b.prefill_slot, impl=cfg.attention_impl)
-            o = attn(qa, kpv, vpv, b.prefill_kv_lens, b.prefill_pages, b.prefill_cu_q_lens,
-                     b.prefill_num_seqs)
+            kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
+            vp = _write_stacked(vp, layer, va, b.prefill_slot, view)
+            # Attention reads the stacked pool through page ids offset to this layer:
+            # slicing the layer out first would copy a whole layer of KV per layer.
+            kpv, vpv = _layers_as_pages(kp, view), _layers_as_pages(vp, view)
+            base = layer * pages
+            o = attn(qa, kpv, vpv, b.prefill_kv_lens, b.prefill_pages + base,
+                     b.prefill_cu_q_lens, b.prefill_num_seqs)
             o = jax.lax.all_to_all(o[b.prefill_inverse], SP, split_axis=0, concat_axis=1,
                                    tiled=True)  # [P, Hq_l, d], sequence-sharded again
             out = out.at[:p].set(o)
-            k_layer, v_layer = kpv.reshape(k_layer.shape), vpv.reshape(v_layer.shape)
             if x_groups:
-                k_layer = _transfer(kpv, k_layer, b, n)
-                v_layer = _transfer(vpv, v_layer, b, n)
+                kp = _transfer(kpv, kp, layer, base, b, n)
+                vp = _transfer(vpv, vp, layer, base, b, n)
         idx = jnp.minimum(b.decode_index, t - 1)
-        k_layer, v_layer = write_kv(k_layer, v_layer, k[idx], v[idx], b.decode_slot,
-                                    impl=cfg.attention_impl)
-        od = attn(q[idx], k_layer, v_layer, b.decode_kv_len, b.decode_pages, decode_cu,
-                  b.num_decode[None])
+        kp = _write_stacked(kp, layer, k[idx], b.decode_slot, kp.shape[1:])
+        vp = _write_stacked(vp, layer, v[idx], b.decode_slot, vp.shape[1:])
+        od = attn(q[idx], _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:]),
+                  b.decode_kv_len, b.decode_pages + layer * pages, decode_cu, b.num_decode[None])
         out = out.at[b.decode_index].set(od, mode="drop")
-        kp = kp.at[layer].set(k_layer)
-        vp = vp.at[layer].set(v_layer)
         return out, (kp, vp)
 
     x = model.embed_tokens(b.tokens)
@@ -140,19 +139,42 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     return (*out, logits[None]) if cfg.return_logits else out
 
 
-def _transfer(prefill_view: jax.Array, decode_view: jax.Array, b: StepBatch,
-              n: int) -> jax.Array:
+def _write_stacked(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array,
+                   view: tuple[int, ...]) -> jax.Array:
+    """Scatter ``new`` f[T, H, d] into ``pool`` f[L, pages, ps, Hkv, d] at ``layer``.
+
+    ``slots`` i32[T] index the flattened ``view`` of one layer (the decode view or the
+    prefill view); negative slots never write. Scattering into the stacked pool (rather
+    than into a sliced-out layer written back afterwards) keeps the update in place: the
+    slice-and-write-back form made XLA touch the whole pool every layer.
+    """
+    num_slots = view[0] * view[1]
+    flat = pool.reshape(pool.shape[0], num_slots, *view[2:])
+    slots = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)
+    flat = flat.at[layer, slots].set(new.astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
+
+
+def _layers_as_pages(pool: jax.Array, view: tuple[int, ...]) -> jax.Array:
+    """f[L, pages, ...] -> f[L*pages, *view[1:]]: every layer's pages in one free reshape."""
+    return pool.reshape(pool.shape[0] * view[0], *view[1:])
+
+
+def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base: jax.Array,
+              b: StepBatch, n: int) -> jax.Array:
     """Move completed prefills' head-sharded KV into full-head pages on their decode rank.
 
-    prefill_view f[pages, ps*N, Hkv/N, d]; decode_view f[pages, ps, Hkv, d]. Each moved page
-    group is N prefill-view pages (one per rank, one head shard each) = N decode pages.
+    prefill_pages f[L*pages, ps*N, Hkv/N, d] (all layers, prefill view; this layer's pages
+    start at ``base``); pool f[L, pages, ps, Hkv, d]. Each
+    moved page group is N prefill-view pages (one per rank, one head shard each) = N
+    decode pages.
     """
-    pages, ps, hkv, hd = decode_view.shape
-    src = prefill_view[b.transfer_src]  # [X, ps*N, Hkv/N, d]
+    _, pages, ps, hkv, hd = pool.shape
+    src = prefill_pages[b.transfer_src + base]  # [X, ps*N, Hkv/N, d]
     gathered = jax.lax.all_gather(src, SP, axis=0)  # [N(head shard), X, ps*N, Hkv/N, d]
     x = src.shape[0]
     full = jnp.moveaxis(gathered, 0, 2).reshape(x * n, ps, hkv, hd)
-    return decode_view.at[b.transfer_dst].set(full, mode="drop")
+    return pool.at[layer, b.transfer_dst].set(full, mode="drop")
 
 
 def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params):
