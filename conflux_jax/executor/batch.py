@@ -55,6 +55,7 @@ PER_RANK_FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch)
 def zeros_like_shapes(n: int, t: int, p: int, d: int, s: int, wd: int, wp: int,
                       x: int) -> dict[str, np.ndarray]:
     """Host buffers for one step shape, filled with padding values."""
+    s = s if p else 1  # no prefill slice: no prefill sequences, and no sampling rows for them
     r = d + s
     i32 = np.int32
     return {

@@ -28,8 +28,9 @@ class StepShape:
 class BucketConfig:
     """Sorted bucket sets. ``transfer_groups`` and ``prefill_pages`` derive from the context."""
 
-    tokens: tuple[int, ...] = (16, 64, 256)
-    decode: tuple[int, ...] = (16, 64)
+    # Small first buckets matter on CPU, where padded rows cost real FLOPs.
+    tokens: tuple[int, ...] = (4, 16, 64, 256)
+    decode: tuple[int, ...] = (4, 16, 64)
     # The attention ops' cost follows live KV lengths, not the table width, so one
     # width (the max context) is the default; more widths trade compiles for gathers.
     decode_pages: tuple[int, ...] = (1 << 30,)
