@@ -3,8 +3,9 @@
     python bench/decode_cpu.py [--tokens 64] [--json PATH]
 
 Prints ms/token for our dense reference path, for the engine (scheduler + Conflux
-executor on one rank) and for transformers' ``generate`` on the same GGUF weights and prompt, and the memory floor: fp32 weight bytes over the copy
-bandwidth measured in this run (decode must read every weight once per token).
+executor on one rank) and for transformers' ``generate`` on the same GGUF weights and
+prompt, and the memory floor: fp32 weight bytes over the copy bandwidth measured in this
+run (decode must read every weight once per token).
 """
 
 from __future__ import annotations

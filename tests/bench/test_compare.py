@@ -1,0 +1,31 @@
+"""bench compare on a tiny HF checkpoint: ours (in-process engine) vs HF generate."""
+
+import json
+
+import jax
+import pytest
+from ckpt_helpers import random_hf_weights, tiny_llama, train_tiny_tokenizer, write_hf_folder
+
+from conflux_jax.bench.__main__ import main
+
+pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
+    cfg = tiny_llama()
+    folder = write_hf_folder(tmp_path / "tiny", cfg, random_hf_weights(cfg),
+                             train_tiny_tokenizer())
+    out = tmp_path / "c.json"
+    assert main(["compare", "--model", str(folder), "--concurrency", "1", "3",
+                 "--prompt-len", "6", "--max-tokens", "3", "--max-model-len", "64",
+                 "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [r["concurrency"] for r in d["rows"]] == [1, 3]
+    assert d["peers"] == ["hf"] and "llama.cpp" in d["skipped_peers"]  # GGUF only
+    for row in d["rows"]:
+        assert row["ours"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0
+        assert row["ratio_vs_hf"]["tokens_per_s"] > 0
+    text = capsys.readouterr().out
+    assert "ratio tok/s" in text and "hf" in text

@@ -1,0 +1,97 @@
+"""bench serve: the in-process engine driver (tiny model), the streaming client (mock
+server), the rate sweep and the CLI end to end on the tiny engine."""
+
+import json
+
+import httpx
+import jax
+import pytest
+import tokenizers
+from tiny_models import TINY_LLAMA
+
+import conflux_jax.bench.serve as serve
+from conflux_jax.bench.__main__ import main
+from conflux_jax.bench.metrics import RequestResult, summarize
+from conflux_jax.bench.serve_workload import ServeRequest
+from conflux_jax.engine import Engine, EngineConfig
+from conflux_jax.executor.buckets import BucketConfig
+from conflux_jax.executor.jax_executor import ExecutorConfig
+from conflux_jax.models.decoder import random_params
+from conflux_jax.tokenizer import Tokenizer
+
+needs4 = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+
+
+def tiny_engine(*_: object, **__: object) -> Engine:
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(TINY_LLAMA.vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=128, max_model_len=128,
+                        buckets=BucketConfig(tokens=(8, 32), decode=(16,), max_prefill_seqs=4))
+    return Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=1, scale=0.2),
+                  Tokenizer(backend, eos_token_ids=(2,)),
+                  EngineConfig(executor=ec, ttft_slo_s=5.0, tbt_slo_s=1.0))
+
+
+@needs4
+def test_run_engine_streams_every_token() -> None:
+    engine = tiny_engine()
+    reqs = [ServeRequest(0.05 * i, list(range(3, 3 + 5 + 3 * i)), 4 + i) for i in range(5)]
+    results, duration = serve.run_engine(engine, reqs)
+    assert all(r.success for r in results)
+    assert [r.output_len for r in results] == [4, 5, 6, 7, 8]  # ignore_eos
+    assert all(len(r.token_times) == r.output_len and r.ttft > 0 for r in results)
+    m = summarize(results, duration, ttft_slo_s=60.0, tbt_slo_s=60.0)
+    assert m["deadline_attainment"] == 1.0 and m["total_output_tokens"] == 30
+
+
+def _sse(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
+    n = body["max_tokens"]
+    chunks = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(n)]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                            "completion_tokens": n}})
+    text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=text.encode(),
+                          headers={"content-type": "text/event-stream"})
+
+
+def test_run_server_parses_openai_stream() -> None:
+    reqs = [ServeRequest(0.0, [5, 6, 7], 3), ServeRequest(0.01, [8] * 9, 5)]
+    results, _ = serve.run_server("http://mock", "m", reqs, transport=httpx.MockTransport(_sse))
+    assert [r.output_len for r in results] == [3, 5]
+    assert [len(r.token_times) for r in results] == [3, 5]
+    assert all(r.success and r.input_len > 0 for r in results)
+
+    failing = httpx.MockTransport(lambda req: httpx.Response(500, text="boom"))
+    (bad,), _ = serve.run_server("http://mock", "m", reqs[:1], transport=failing)
+    assert not bad.success and "500" in bad.error
+
+
+def test_sweep_bisects_to_goodput() -> None:
+    def run(reqs):  # attainment drops once the rate passes 2 req/s
+        rate = reqs[0].max_tokens / 10
+        late = 1.0 if rate > 2.0 else 0.0
+        return [RequestResult(0.0, 1, [0.1 + late], 1, True)], 1.0
+
+    make = lambda rate: [ServeRequest(0.0, [1], int(rate * 10))]  # noqa: E731
+    per_rate = serve.sweep(run, make, [1.0, 4.0], bisect=2, ttft_slo_s=0.5, tbt_slo_s=0.1)
+    assert list(per_rate) == [1.0, 1.75, 2.5, 4.0]  # 1 ok, 4 late; bisect: 2.5 late, 1.75 ok
+    assert serve.goodput(per_rate) == 1.75
+
+
+@needs4
+def test_serve_cli_in_process_on_conversation_trace(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(serve, "engine_from_model", tiny_engine)
+    out = tmp_path / "s.json"
+    assert main(["serve", "--trace", "conversation", "--num-prompts", "6", "--rates", "2", "8",
+                 "--prompt-scale", "0.004", "--max-prompt-len", "30", "--output-scale", "0.01",
+                 "--max-output-len", "6", "--ttft-slo", "30", "--tbt-slo", "10",
+                 "--warmup", "2", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["goodput_rps"] == 8.0
+    assert d["scaling"]["max_prompt_len"] == 30 and d["scaling"]["lengths"]["prompt"]["max"] <= 30
+    assert d["rates"]["2"]["completed"] == 6 and d["rates"]["2"]["deadline_attainment"] == 1.0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result @ 8 req/s" in text and "goodput_rps" in text
