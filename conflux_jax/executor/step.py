@@ -98,33 +98,36 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     def attend(layer, q, k, v, kv):
         kp, vp = kv  # f[L, pages, ps, Hkv_l, d]: written in place, read one layer at a time
         _, pages, _, hkv, hd = kp.shape
-        out = jnp.zeros_like(q)
+        base = layer * pages
+        view = (pages, ps * n, hkv // n, hd)  # prefill view (KV aliasing: a free reshape)
+        # Every write of the layer comes before every read: an in-place write after an
+        # attention loop has read the pool makes XLA copy the whole pool.
         if p:
             def to_heads(a):  # [P, H, d] -> [N*P, H/N, d] in kernel order
                 a = jax.lax.all_to_all(a[:p], SP, split_axis=1, concat_axis=0, tiled=True)
                 return a[b.prefill_perm]
 
             qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
-            view = (pages, ps * n, hkv // n, hd)  # KV aliasing: a free reshape
             kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
             vp = _write_stacked(vp, layer, va, b.prefill_slot, view)
-            # Attention reads the stacked pool through page ids offset to this layer:
-            # slicing the layer out first would copy a whole layer of KV per layer.
-            kpv, vpv = _layers_as_pages(kp, view), _layers_as_pages(vp, view)
-            base = layer * pages
-            o = attn(qa, kpv, vpv, b.prefill_kv_lens, b.prefill_pages + base,
-                     b.prefill_cu_q_lens, b.prefill_num_seqs)
-            o = jax.lax.all_to_all(o[b.prefill_inverse], SP, split_axis=0, concat_axis=1,
-                                   tiled=True)  # [P, Hq_l, d], sequence-sharded again
-            out = out.at[:p].set(o)
             if x_groups:
-                kp = _transfer(kpv, kp, layer, base, b, n)
-                vp = _transfer(vpv, vp, layer, base, b, n)
+                kp = _transfer(_layers_as_pages(kp, view), kp, layer, base, b, n)
+                vp = _transfer(_layers_as_pages(vp, view), vp, layer, base, b, n)
         idx = jnp.minimum(b.decode_index, t - 1)
         kp = _write_stacked(kp, layer, k[idx], b.decode_slot, kp.shape[1:])
         vp = _write_stacked(vp, layer, v[idx], b.decode_slot, vp.shape[1:])
+        # Attention reads the stacked pool through page ids offset to this layer: slicing
+        # the layer out first would copy a whole layer of KV per layer.
+        out = jnp.zeros_like(q)
+        if p:
+            o = attn(qa, _layers_as_pages(kp, view), _layers_as_pages(vp, view),
+                     b.prefill_kv_lens, b.prefill_pages + base, b.prefill_cu_q_lens,
+                     b.prefill_num_seqs)
+            o = jax.lax.all_to_all(o[b.prefill_inverse], SP, split_axis=0, concat_axis=1,
+                                   tiled=True)  # [P, Hq_l, d], sequence-sharded again
+            out = out.at[:p].set(o)
         od = attn(q[idx], _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:]),
-                  b.decode_kv_len, b.decode_pages + layer * pages, decode_cu, b.num_decode[None])
+                  b.decode_kv_len, b.decode_pages + base, decode_cu, b.num_decode[None])
         out = out.at[b.decode_index].set(od, mode="drop")
         return out, (kp, vp)
 
