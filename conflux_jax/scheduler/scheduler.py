@@ -24,6 +24,7 @@ executor never reads freed pages.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from conflux_jax.executor.base import DecodeSlot, IterationPlan, PrefillPiece, StepResult
@@ -37,6 +38,17 @@ from conflux_jax.scheduler.waterfill import Dispatcher, waterfill_assign
 
 _SKIP = -2  # candidate cannot start now (KV); try the next one
 _STOP = -3  # completing chunk has no decode rank: stop admitting this iteration
+
+
+@dataclasses.dataclass
+class _Tentative:
+    """What this iteration's plan has reserved so far (placements are incremental)."""
+
+    ctx: list[int]  # summed decode context per rank, incl. placements made this iteration
+    n: list[int]  # resident decodes per rank, likewise
+    in_plan: set[int] = dataclasses.field(default_factory=set)
+    placed: int = 0  # completing chunks so far
+    moved: int = 0  # KV page groups those completions move to decode ranks
 
 
 class Scheduler:
@@ -326,6 +338,26 @@ class Scheduler:
             tent_n[rank] += 1
         return rank
 
+    def _claim(self, st: RequestState, length: int, tent: _Tentative) -> tuple[int, bool, int]:
+        """Reserve KV for a ``length``-token chunk of ``st``; returns (length, completes, rank).
+
+        A completion that would overflow the executor's per-step KV transfer is held
+        back by one token (it completes next iteration). ``rank`` is the decode rank, -1
+        (not completing), _SKIP (try the next candidate) or _STOP (stop admitting).
+        """
+        completes = length == st.remaining
+        if completes and not self._transfer_fits(st, tent.moved):
+            if length == 1:
+                return length, False, _SKIP
+            length, completes = length - 1, False
+        rank = self._reserve(st, completes, tent.ctx, tent.n, tent.in_plan, tent.placed)
+        if rank in (_SKIP, _STOP):
+            return length, completes, rank
+        tent.placed += completes
+        tent.moved += self.blocks.prefill_pages_for(st.target) if completes else 0
+        tent.in_plan.add(st.id)
+        return length, completes, rank
+
     def _transfer_fits(self, st: RequestState, moved: int) -> bool:
         """Can this iteration also move ``st``'s KV to a decode rank (executor limit)?"""
         cap = self.cfg.max_transfer_groups
@@ -342,10 +374,7 @@ class Scheduler:
         if not self._pending:
             return pieces, disp.estimate()
         self._preempted_now = preempted
-        tent_ctx = list(ctx)
-        tent_n = list(n_d)
-        in_plan: set[int] = set()
-        placed = moved = 0
+        tent = _Tentative(list(ctx), list(n_d))
         max_pieces = self.cfg.max_prefill_pieces
         for st in self._candidates(now, preempted, disp):
             if max_pieces is not None and len(pieces) >= max_pieces:
@@ -361,21 +390,15 @@ class Scheduler:
                 # minimal chunk anyway (the plan says it does not fit) rather than stall.
                 length = min(rem, self.cfg.quantum)
                 add = waterfill_assign(disp.loads, length)
-            completes = length == rem
-            if completes and not self._transfer_fits(st, moved):
-                if length == 1:
-                    continue
-                length, completes = length - 1, False  # complete next iteration instead
-                add = list(add)
-                add[max(range(self.n), key=add.__getitem__)] -= 1
-            rank = self._reserve(st, completes, tent_ctx, tent_n, in_plan, placed)
+            asked = length
+            length, completes, rank = self._claim(st, length, tent)
             if rank == _SKIP:
                 continue
             if rank == _STOP:
                 break
-            placed += completes
-            moved += self.blocks.prefill_pages_for(st.target) if completes else 0
-            in_plan.add(st.id)
+            if length < asked:  # completion held back: take the token off the fullest rank
+                add = list(add)
+                add[max(range(self.n), key=add.__getitem__)] -= asked - length
             disp.commit(add, st.prefilled)
             pieces.append(PrefillPiece(st.id, st.prefilled, tuple(add), completes,
                                        rank if completes else None))
@@ -388,10 +411,7 @@ class Scheduler:
         budget = self._static_budget()
         pieces: list[PrefillPiece] = []
         self._preempted_now = preempted
-        tent_ctx = list(self._ctx)
-        tent_n = list(self._n_d)
-        in_plan: set[int] = set()
-        placed = moved = 0
+        tent = _Tentative(list(self._ctx), list(self._n_d))
         n_p = [0] * n
         a_p = 0.0
         max_pieces = self.cfg.max_prefill_pieces
@@ -401,20 +421,11 @@ class Scheduler:
             if st.id in preempted:
                 continue
             rem = st.remaining
-            length = min(rem, budget)
-            completes = length == rem
-            if completes and not self._transfer_fits(st, moved):
-                if length == 1:
-                    continue
-                length, completes = length - 1, False  # complete next iteration instead
-            rank = self._reserve(st, completes, tent_ctx, tent_n, in_plan, placed)
+            length, completes, rank = self._claim(st, min(rem, budget), tent)
             if rank == _SKIP:
                 continue
             if rank == _STOP:
                 break
-            placed += completes
-            moved += self.blocks.prefill_pages_for(st.target) if completes else 0
-            in_plan.add(st.id)
             # Fill the lightest ranks first so no rank exceeds its token bucket.
             counts = tuple(waterfill_assign(n_p, length))
             for r, c in enumerate(counts):
