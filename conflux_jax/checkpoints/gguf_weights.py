@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from tqdm import tqdm
 
 from conflux_jax.checkpoints.gguf_meta import ROPE_FREQS_TENSOR
-from conflux_jax.checkpoints.layout import ParamAssembler, Placement
+from conflux_jax.checkpoints.layout import NameTable, ParamAssembler, Placement
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.params import CheckpointError, Params
 
@@ -49,6 +49,7 @@ _PER_LAYER: dict[str, tuple[str, bool]] = {  # "attn_q" -> (our key, transpose)
     }.items()
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)\.weight")
+_NAMES = NameTable(_TOP, _LAYER_RE, _PER_LAYER)
 
 
 def gguf_placement(name: str) -> Placement | None | bool:
@@ -56,13 +57,7 @@ def gguf_placement(name: str) -> Placement | None | bool:
     elsewhere (``rope_freqs`` goes into the config)."""
     if name == ROPE_FREQS_TENSOR:
         return False
-    if name in _TOP:
-        return _TOP[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _PER_LAYER:
-        key, transpose = _PER_LAYER[m.group(2)]
-        return Placement(key, int(m.group(1)), transpose)
-    return None
+    return _NAMES.place(name)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from conflux_jax.checkpoints.layout import ParamAssembler, Placement
+from conflux_jax.checkpoints.layout import NameTable, ParamAssembler, Placement
 from conflux_jax.config import ConfigError, ModelConfig
 from conflux_jax.models.params import CheckpointError, Params
 
@@ -47,6 +47,7 @@ _PER_LAYER: dict[str, tuple[str, bool]] = {  # HF sub-name -> (our key, transpos
     "mlp.up_proj": ("w_up", True),
     "mlp.down_proj": ("w_down", True),
 }
+_NAMES = NameTable(_TOP, _LAYER_RE, _PER_LAYER)
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -60,13 +61,7 @@ def hf_placement(name: str, config: ModelConfig) -> Placement | None | bool:
         return False
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return False  # tied: some exports still write the (identical) head; ours has none
-    if name in _TOP:
-        return _TOP[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _PER_LAYER:
-        key, transpose = _PER_LAYER[m.group(2)]
-        return Placement(key, int(m.group(1)), transpose)
-    return None
+    return _NAMES.place(name)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

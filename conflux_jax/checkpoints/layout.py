@@ -10,6 +10,7 @@ dtype and filled layer by layer, so peak memory is one copy of the model plus on
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import ml_dtypes
@@ -59,6 +60,25 @@ class Placement:
     key: str
     layer: int | None = None
     transpose: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NameTable:
+    """How one format names tensors: whole-model names, and per-layer suffixes after a
+    ``layer_re`` whose groups are (layer index, suffix)."""
+
+    top: dict[str, Placement]
+    layer_re: re.Pattern[str]
+    per_layer: dict[str, tuple[str, bool]]  # suffix -> (our key, transpose)
+
+    def place(self, name: str) -> Placement | None:
+        if name in self.top:
+            return self.top[name]
+        m = self.layer_re.fullmatch(name)
+        if m and m.group(2) in self.per_layer:
+            key, transpose = self.per_layer[m.group(2)]
+            return Placement(key, int(m.group(1)), transpose)
+        return None
 
 
 class ParamAssembler:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from conflux_jax.executor.base import IterationPlan, KVSpec, StepResult
-from conflux_jax.scheduler.latency import LatencyModel
+from conflux_jax.scheduler.latency import BatchShape, LatencyModel
 
 
 class SimExecutor:
@@ -50,22 +50,7 @@ class SimExecutor:
 
     def price(self, plan: IterationPlan) -> float:
         """Latency of ``plan`` from the exact per-request KV lengths."""
-        n = self.num_ranks
-        n_p = [0] * n
-        n_d = [0] * n
-        w_d = [0] * n
-        a_p = 0.0
-        kv = self.kv_lens
-        for p in plan.prefill:
-            for r, c in enumerate(p.counts):
-                n_p[r] += c
-            a_p += p.attention_work()
-        for d in plan.decode:
-            n_d[d.rank] += 1
-            w_d[d.rank] += kv[d.request_id] + 1
-        m = self.model
-        max_load = max(a + b for a, b in zip(n_p, n_d, strict=True))
-        return m.iteration(max_load, max(n_p), a_p, m.decode_path(max(w_d)))
+        return self.model.estimate(BatchShape.from_plan(plan, self.kv_lens, self.num_ranks))
 
     def execute(self, plan: IterationPlan) -> StepResult:
         kv = self.kv_lens
