@@ -67,7 +67,7 @@ def sample(
     Logprobs are those of the unfiltered distribution (as vLLM reports them). The sort
     needed by top-k/top-p runs only when some slot uses them.
     """
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # f32[S]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def filtered(lg: jax.Array) -> jax.Array:
@@ -84,16 +84,22 @@ def sample(
         cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(lg < cutoff, -jnp.inf, lg)
 
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / safe_t
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-    scaled = jax.lax.cond(needs_filter, filtered, lambda lg: lg, scaled)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    tokens = jnp.where(temperature > 0, drawn, greedy)
-    chosen_lp = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    def drawn() -> jax.Array:
+        safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = logits / safe_t
+        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+        scaled = jax.lax.cond(needs_filter, filtered, lambda lg: lg, scaled)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
+        tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, tokens, greedy)
+
+    # An all-greedy batch (the common serving case) skips the per-row random draw over
+    # the whole vocabulary.
+    tokens = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
+    chosen_lp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
     if num_top_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logprobs_all, num_top_logprobs)
+        top_logits, top_ids = jax.lax.top_k(logits, num_top_logprobs)
+        top_lp = top_logits - log_z[:, None]
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

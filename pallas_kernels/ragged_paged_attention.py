@@ -11,11 +11,11 @@ sits at absolute position ``kv_lens[s] - q_len_s + j`` and attends causally to K
 
 Three implementations (see ``pallas_kernels._common``):
 
-* ``ragged_paged_attention_reference``: pure ``jnp`` (the fast path on CPU). Loops over live
-  sequences, over each one's KV in chunks of whole pages up to its ``kv_len`` (so the cost
-  follows the live lengths, not the page table's width), and over its queries in windows of
-  32, 8 and 1 tokens (no padded query rows), with an online softmax. Decode costs one gather
-  and one matrix-vector product per chunk, sequence and head; prefill gets real matmuls.
+* ``ragged_paged_attention_reference``: pure ``jnp`` (the fast path on CPU). Runs the
+  kernel's query blocks (one token for decode-like calls, 32 otherwise) a group at a time,
+  vectorized over the group, over their pages in chunks of 128 tokens up to the group's
+  furthest position, with an online softmax; groups of idle blocks are skipped, so the
+  cost follows the live lengths, not the page table's width.
 * The Pallas kernel (``impl="pallas"`` compiled through Pallas' Triton lowering on GPU,
   ``impl="interpret"`` anywhere): a flash-attention kernel. Program ``(b, h, k)`` takes query
   block ``b`` (``block_q`` tokens of one sequence times the ``Hq // Hkv`` query heads sharing
@@ -320,11 +320,16 @@ def _prepare_metadata(
 # --------------------------------------------------------------------------------------------
 
 
-_DEFAULT_Q_WINDOWS = (32, 8, 1)
-_DEFAULT_KV_CHUNK = 512
+def default_reference_blocks(num_tokens: int, max_seqs: int) -> tuple[int, int]:
+    """(block_q, group_blocks) for the reference: one-token blocks for decode-like calls
+    (at most two tokens per sequence), 32-token blocks otherwise; 8 blocks per group."""
+    return (1 if num_tokens <= 2 * max_seqs else 32), 8
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "q_windows", "kv_chunk"))
+_DEFAULT_KV_CHUNK = 128
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "group_blocks", "kv_chunk"))
 def _rpa_reference(
     q: jax.Array,  # f[T, Hq, d]
     k_pages: jax.Array,  # f[P, page_size, Hkv, d]
@@ -335,88 +340,76 @@ def _rpa_reference(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
-    q_windows: tuple[int, ...],
+    block_q: int,
+    group_blocks: int,
     kv_chunk: int,
 ) -> jax.Array:  # f[T, Hq, d]
     t, hq, d = q.shape
     p, ps, hkv, _ = k_pages.shape
     s, pps = page_indices.shape
     group = hq // hkv
+    b = block_q
+    kv_lens, page_indices, cu, n = _prepare_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, s)
+    sch = _schedule(cu, kv_lens, num_tokens=t, block_q=b)  # live blocks first, idle after
+    gb = min(group_blocks, sch.seq.shape[0])
+    pad = cdiv(sch.seq.shape[0], gb) * gb - sch.seq.shape[0]
+    live = jnp.pad(sch.seq >= 0, (0, pad))
+    seq, tok0, ntok, pos0 = (
+        jnp.pad(x, (0, pad)) for x in (jnp.maximum(sch.seq, 0), sch.tok0, sch.ntok, sch.pos0)
+    )
     chunk_pages = max(1, min(kv_chunk // ps, pps))
     chunk = chunk_pages * ps
-    kv_lens, page_indices, cu, n = _prepare_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, s)
-    # Pad the table to whole chunks; clip garbage (unused slots) into the pool.
     width = cdiv(pps, chunk_pages) * chunk_pages
+    # Pad the table to whole chunks; clip garbage (unused slots) into the pool.
     table = jnp.pad(jnp.clip(page_indices, 0, p - 1), ((0, 0), (0, width - pps)))
+    offs = jnp.arange(b, dtype=jnp.int32)
+    rows = tok0[:, None] + offs  # i32[G, b] row of q of each block slot
+    row_ok = live[:, None] & (offs[None] < ntok[:, None])
+    kv_end = jnp.where(live, pos0 + ntok, 0)  # i32[G] keys a block needs: [0, kv_end)
     hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
 
-    def update(
-        state: tuple[jax.Array, ...],  # acc f32[T, Hq, d], m f32[T, Hq], l f32[T, Hq]
-        k: jax.Array,  # f[chunk, Hkv, d]
-        v: jax.Array,  # f[chunk, Hkv, d]
-        key_pos: jax.Array,  # i32[chunk]
-        start: jax.Array,  # i32[]  first token of the query window
-        first_pos: jax.Array,  # i32[]  its absolute position
-        w: int,  # window length (static)
-    ) -> tuple[jax.Array, ...]:
-        acc, m, l_sum = (lax.dynamic_slice_in_dim(x, start, w) for x in state)
-        qw = lax.dynamic_slice_in_dim(q, start, w).reshape(w, hkv, group, d)
-        logits = jnp.einsum(
-            "whjd,lhd->whjl", qw, k, preferred_element_type=jnp.float32, precision=hi
-        ).reshape(w, hq, chunk)
-        q_pos = first_pos + jnp.arange(w, dtype=jnp.int32)
-        visible = (key_pos <= q_pos[:, None])[:, None, :]
-        logits = jnp.where(visible, logits * sm_scale, -jnp.inf)
-        m_next = jnp.maximum(m, jnp.max(logits, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no NaN while all masked
-        alpha = jnp.exp(m - m_safe)
-        probs = jnp.exp(logits - m_safe[..., None])
-        pv = jnp.einsum(
-            "whjl,lhd->whjd",
-            probs.reshape(w, hkv, group, chunk),
-            v,
-            preferred_element_type=jnp.float32,
-            precision=hi,
-        ).reshape(w, hq, d)
-        new = (alpha[..., None] * acc + pv, m_next, alpha * l_sum + jnp.sum(probs, axis=-1))
-        return tuple(
-            lax.dynamic_update_slice_in_dim(x, y, start, 0) for x, y in zip(state, new, strict=True)
-        )
+    def block_group(i: jax.Array, out: jax.Array) -> jax.Array:
+        def take(x: jax.Array) -> jax.Array:
+            return lax.dynamic_slice_in_dim(x, i * gb, gb)
 
-    def sequence(i: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        q_len = cu[i + 1] - cu[i]
-        hist = kv_lens[i] - q_len
-        num_chunks = jnp.clip((kv_lens[i] + chunk - 1) // chunk, 0, width // chunk_pages)
-        num_chunks = jnp.where(q_len > 0, num_chunks, 0)
+        r, ok, sq, first, end = take(rows), take(row_ok), take(seq), take(pos0), take(kv_end)
+        qb = q[jnp.clip(r, 0, t - 1)].astype(jnp.float32) * sm_scale
+        qb = qb.reshape(gb, b, hkv, group, d)
+        tbl = table[sq]  # i32[gb, width]
+        q_pos = first[:, None] + offs  # i32[gb, b]
 
         def kv_block(c: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            pages = lax.dynamic_slice_in_dim(table[i], c * chunk_pages, chunk_pages)
-            k = k_pages[pages].reshape(chunk, hkv, d)
-            v = v_pages[pages].reshape(chunk, hkv, d)
+            acc, m, l_sum = state  # f32[gb, b, Hkv, group, d], f32[gb, b, Hkv, group] x2
+            pages = lax.dynamic_slice_in_dim(tbl, c * chunk_pages, chunk_pages, axis=1)
+            k = k_pages[pages].reshape(gb, chunk, hkv, d)
+            v = v_pages[pages].reshape(gb, chunk, hkv, d)
+            logits = jnp.einsum(
+                "gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32, precision=hi
+            )
             key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            done = jnp.int32(0)
-            # Largest windows first, then smaller ones for the rest: no padded query rows.
-            for w in (w for w in q_windows if w <= t):  # a window longer than q can't fit
-                count = (q_len - done) // w
+            visible = (key_pos[None, None, :] <= q_pos[:, :, None])[:, :, None, None, :]
+            logits = jnp.where(visible, logits, -jnp.inf)
+            m_next = jnp.maximum(m, jnp.max(logits, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no NaN while all masked
+            alpha = jnp.exp(m - m_safe)
+            probs = jnp.exp(logits - m_safe[..., None])
+            pv = jnp.einsum(
+                "gbhjl,glhd->gbhjd", probs, v, preferred_element_type=jnp.float32, precision=hi
+            )
+            return alpha[..., None] * acc + pv, m_next, alpha * l_sum + jnp.sum(probs, axis=-1)
 
-                def window(j: jax.Array, state: Any, w: int = w, done: jax.Array = done) -> Any:
-                    local = done + j * w
-                    return update(state, k, v, key_pos, cu[i] + local, hist + local, w)
+        state = (
+            jnp.zeros((gb, b, hkv, group, d), jnp.float32),
+            jnp.full((gb, b, hkv, group), -jnp.inf, jnp.float32),
+            jnp.zeros((gb, b, hkv, group), jnp.float32),
+        )
+        acc, _, l_sum = lax.fori_loop(0, cdiv(jnp.max(end), chunk), kv_block, state)
+        o = acc / jnp.where(l_sum == 0, 1.0, l_sum)[..., None]
+        return out.at[jnp.where(ok, r, t)].set(o.reshape(gb, b, hq, d).astype(q.dtype),
+                                               mode="drop")
 
-                state = lax.fori_loop(0, count, window, state)
-                done = done + count * w
-            return state
-
-        return lax.fori_loop(0, num_chunks, kv_block, state)
-
-    state = (
-        jnp.zeros((t, hq, d), jnp.float32),
-        jnp.full((t, hq), -jnp.inf, jnp.float32),
-        jnp.zeros((t, hq), jnp.float32),
-    )
-    acc, _, l_sum = lax.fori_loop(0, n, sequence, state)
-    out = acc / jnp.where(l_sum == 0, 1.0, l_sum)[..., None]
-    return jnp.where(_token_mask(cu, n, t)[:, None, None], out, 0).astype(q.dtype)
+    num_live = jnp.sum(live.astype(jnp.int32))
+    return lax.fori_loop(0, cdiv(num_live, gb), block_group, jnp.zeros_like(q))
 
 
 def ragged_paged_attention_reference(
@@ -429,29 +422,30 @@ def ragged_paged_attention_reference(
     num_seqs: jax.Array,  # i32[] or i32[1]
     *,
     sm_scale: float | None = None,
-    q_windows: tuple[int, ...] = _DEFAULT_Q_WINDOWS,
+    block_q: int | None = None,
+    group_blocks: int | None = None,
     kv_chunk: int = _DEFAULT_KV_CHUNK,
 ) -> jax.Array:  # f[T, Hq, d]
     """Pure-``jnp`` ragged paged attention (same contract as ``ragged_paged_attention``).
 
-    Loops over live sequences; for each, over its KV in chunks of ``kv_chunk`` tokens (rounded
-    to whole pages) up to its ``kv_len``, gathering each chunk's pages once; within a chunk,
-    over its queries in windows of ``q_windows[0]`` tokens, then ``q_windows[1]``, ... (the
-    last must be 1, so no padded query rows are computed), with an online softmax. Work scales
-    with the live lengths, not with the page table's width. Both options only trade loop trips
-    for array sizes. Pool entries past ``kv_len`` inside the last chunk are read (and masked),
-    so they must be finite (a zero-initialised pool is); the Pallas kernel never reads them.
+    Splits the queries into the kernel's blocks (``block_q`` tokens of one sequence) and
+    runs them ``group_blocks`` at a time, vectorized: a group walks the KV in chunks of
+    ``kv_chunk`` tokens (rounded to whole pages), gathering each block's pages, up to the
+    furthest position any of its blocks sees, with an online softmax. Idle blocks (the
+    schedule's padding) come last and whole groups of them are skipped, so the work follows
+    the live lengths, not the page table's width. The options only trade loop trips for
+    array sizes (defaults: ``default_reference_blocks``). Pool entries past a block's last
+    position inside its last chunk are read (and masked), so they must be finite (a
+    zero-initialised pool is); the Pallas kernel never reads them.
     """
     dims = _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
-    q_windows = tuple(q_windows)
-    if (
-        not q_windows
-        or q_windows[-1] != 1
-        or any(not isinstance(w, int) or w < 1 for w in q_windows)
-    ):
-        raise ValueError(f"q_windows must be positive ints ending with 1, got {q_windows!r}")
-    if not isinstance(kv_chunk, int) or kv_chunk < 1:
-        raise ValueError(f"kv_chunk must be a positive int, got {kv_chunk!r}")
+    default_bq, default_gb = default_reference_blocks(dims.num_tokens, dims.max_seqs)
+    block_q = default_bq if block_q is None else block_q
+    group_blocks = default_gb if group_blocks is None else group_blocks
+    for name, value in (("block_q", block_q), ("group_blocks", group_blocks),
+                        ("kv_chunk", kv_chunk)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
     return _rpa_reference(
         q,
@@ -462,7 +456,8 @@ def ragged_paged_attention_reference(
         cu_q_lens,
         num_seqs,
         sm_scale=scale,
-        q_windows=q_windows,
+        block_q=block_q,
+        group_blocks=group_blocks,
         kv_chunk=kv_chunk,
     )
 
@@ -693,18 +688,10 @@ def ragged_paged_attention(
     bs = _block_sizes(dims, impl, block_sizes)
     scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
     if impl == "reference":
-        return _rpa_reference(
-            q,
-            k_pages,
-            v_pages,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            num_seqs,
-            sm_scale=scale,
-            q_windows=_DEFAULT_Q_WINDOWS,
-            kv_chunk=_DEFAULT_KV_CHUNK,
-        )
+        bq, gb = default_reference_blocks(dims.num_tokens, dims.max_seqs)
+        return _rpa_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                              sm_scale=scale, block_q=bq, group_blocks=gb,
+                              kv_chunk=_DEFAULT_KV_CHUNK)
     return _rpa_pallas(
         q,
         k_pages,

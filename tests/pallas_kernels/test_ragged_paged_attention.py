@@ -349,7 +349,7 @@ def test_sm_scale_and_single_token_axis(impl: str) -> None:
     check(case, run(case, impl))
 
 
-def test_reference_windows_and_chunks_are_only_speed_knobs() -> None:
+def test_reference_blocks_and_chunks_are_only_speed_knobs() -> None:
     rng = np.random.default_rng(5)
     case = make_case(
         rng,
@@ -364,11 +364,12 @@ def test_reference_windows_and_chunks_are_only_speed_knobs() -> None:
         pages_per_seq=5,
     )
     args = [case[k] for k in ARG_NAMES]
-    for windows, chunk in (((1,), 16), ((7, 1), 40), ((64, 8, 1), 512)):
-        out = ragged_paged_attention_reference(*args, q_windows=windows, kv_chunk=chunk)
+    for block_q, groups, chunk in ((1, 1, 16), (7, 3, 40), (64, 8, 512), (32, 2, 8)):
+        out = ragged_paged_attention_reference(*args, block_q=block_q, group_blocks=groups,
+                                               kv_chunk=chunk)
         check(case, np.asarray(out))
-    with pytest.raises(ValueError, match="ending with 1"):
-        ragged_paged_attention_reference(*args, q_windows=(8, 2))
+    with pytest.raises(ValueError, match="block_q must be a positive int"):
+        ragged_paged_attention_reference(*args, block_q=0)
 
 
 # --------------------------------------------------------------------------------------------
