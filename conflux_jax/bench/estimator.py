@@ -133,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     train, test = profile(ex, args.train, args.test, args.repeats, args.seed,
                           args.max_context, args.max_chunk, args.max_decodes)
     name = Path(str(args.model)).stem if args.model != "default" else "smollm2-135m"
+    # Simulated CPU devices time-share the host's cores (see latency.py).
+    shared = ex.mesh.devices.flat[0].platform == "cpu" and ex.num_ranks > 1
     model = fit(train, ckpt.config.num_layers, ex.num_ranks,
-                meta={"model": name, "hardware": args.hardware, "mesh": args.mesh})
+                meta={"model": name, "hardware": args.hardware, "mesh": args.mesh},
+                token_buckets=buckets.tokens, shared_cores=shared)
     out = Path(args.out) if args.out else coeffs_path(name, args.hardware, ex.mesh_spec.sp,
                                                       ex.mesh_spec.tp)
     model.save(out)

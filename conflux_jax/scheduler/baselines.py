@@ -43,6 +43,9 @@ class MuxLatency:
     def decode_path(self, w_max: float) -> float:
         return self.base.decode_path(w_max)
 
+    def decode_work(self, w_d: Sequence[float]) -> float:
+        return self.base.decode_work(w_d)
+
     def decode_share(self, t_dec: float) -> float:
         """Fewest SMs that keep the decode pass within the TBT SLO."""
         s = self.s_sat * t_dec * (1 + self.eps) / self.tbt_slo_s

@@ -12,10 +12,18 @@ costs nothing). ``floor`` is 0 for fitted models (pure affine, as in the paper);
 roofline source uses it for the weight-read floor of the linears. alpha and beta (>= 1)
 are contention factors that only apply when prefill and decode attention overlap.
 ``overhead`` is a per-iteration constant outside the layers (LM head, sampling).
+
+Two facts of the executor that runs the iterations can be stated, because they change what
+a step costs: ``token_buckets`` (the fixed-shape executor pads the token buffer, and the
+prefill slice with it, to a bucket, so the linears and the all-to-all cost the padded size)
+and ``shared_cores`` (simulated ranks that time-share a CPU's cores: their decode attention
+adds up instead of overlapping, so ``T_D`` follows the sum of the ranks' decode context,
+not the max). A GPU mesh leaves both off, as the paper's model does.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -88,37 +96,52 @@ class LatencyModel:
     alpha: float = 1.0
     beta: float = 1.0
     overhead_s: float = 0.0
+    token_buckets: tuple[int, ...] = ()  # the executor's token buckets; () = no padding
+    shared_cores: bool = False  # ranks time-share host cores (simulated CPU mesh)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     # ---- evaluation ---------------------------------------------------------------
+    def padded(self, load: int) -> int:
+        """The token-buffer size the executor runs for a per-rank ``load``."""
+        i = bisect.bisect_left(self.token_buckets, load)
+        return self.token_buckets[i] if load > 0 and i < len(self.token_buckets) else load
+
+    def decode_work(self, w_d: Sequence[float]) -> float:
+        """The decode context that sets ``T_D``, from the per-rank decode contexts."""
+        return float(sum(w_d)) if self.shared_cores else float(max(w_d, default=0))
+
     def decode_path(self, w_max: float) -> float:
         """T_D for the rank with the largest decode context (f_D is nondecreasing)."""
         return self.dec(w_max)
 
-    def prefill_path(self, max_np: int, a_p: float) -> float:
-        """T_P: all-to-all on the largest shard + attention over the 1/N share."""
+    def prefill_path(self, max_np: int, a_p: float, max_load: int = 0) -> float:
+        """T_P: all-to-all on the largest shard + attention over the 1/N share.
+
+        With token buckets the all-to-all moves the whole padded prefill slice, which the
+        executor sizes like the token buffer (from ``max_load``)."""
         if max_np <= 0:
             return 0.0
-        comm = self.comm(max_np) if self.num_ranks > 1 else 0.0
+        shard = self.padded(max(max_load, max_np)) if self.token_buckets else max_np
+        comm = self.comm(shard) if self.num_ranks > 1 else 0.0
         return comm + self.pre(a_p / self.num_ranks)
 
     def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float) -> float:
         """T_iter from the aggregate features (the scheduler's hot path)."""
         if max_load <= 0:
             return 0.0
-        t_p = self.prefill_path(max_np, a_p)
+        t_p = self.prefill_path(max_np, a_p, max_load)
         if t_p > 0.0 and t_d > 0.0:
             bp = self.beta * t_p
             ad = self.alpha * t_d
             t_attn = bp if bp > ad else ad
         else:
             t_attn = t_p + t_d
-        return self.num_layers * (self.gemm(max_load) + t_attn) + self.overhead_s
+        return self.num_layers * (self.gemm(self.padded(max_load)) + t_attn) + self.overhead_s
 
     def estimate(self, shape: BatchShape) -> float:
         loads = [p + d for p, d in zip(shape.n_p, shape.n_d, strict=True)]
         return self.iteration(max(loads), max(shape.n_p), shape.a_p,
-                              self.decode_path(max(shape.w_d)))
+                              self.decode_path(self.decode_work(shape.w_d)))
 
     # ---- persistence --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -127,6 +150,7 @@ class LatencyModel:
             "gemm": dataclasses.asdict(self.gemm), "dec": dataclasses.asdict(self.dec),
             "pre": dataclasses.asdict(self.pre), "comm": dataclasses.asdict(self.comm),
             "alpha": self.alpha, "beta": self.beta, "overhead_s": self.overhead_s,
+            "token_buckets": list(self.token_buckets), "shared_cores": self.shared_cores,
             "meta": self.meta,
         }
 
@@ -135,7 +159,10 @@ class LatencyModel:
         return cls(num_layers=int(d["num_layers"]), num_ranks=int(d["num_ranks"]),
                    gemm=Affine(**d["gemm"]), dec=Affine(**d["dec"]), pre=Affine(**d["pre"]),
                    comm=Affine(**d["comm"]), alpha=float(d["alpha"]), beta=float(d["beta"]),
-                   overhead_s=float(d.get("overhead_s", 0.0)), meta=dict(d.get("meta", {})))
+                   overhead_s=float(d.get("overhead_s", 0.0)),
+                   token_buckets=tuple(int(b) for b in d.get("token_buckets", ())),
+                   shared_cores=bool(d.get("shared_cores", False)),
+                   meta=dict(d.get("meta", {})))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -175,14 +202,19 @@ def mape(model: LatencyModel, samples: Sequence[ProfileSample]) -> float:
 _PARAMS = ("g_a", "g_b", "d_a", "d_b", "p_a", "p_b", "c_a", "c_b")
 
 
-def _features(samples: Sequence[ProfileSample], num_ranks: int) -> np.ndarray:
-    """Per sample: [G, has_G, W_max, has_D, A/N, has_P, C (N>1), has_comm]."""
+def _features(samples: Sequence[ProfileSample], shape_of: LatencyModel) -> np.ndarray:
+    """Per sample: [G, has_G, W, has_D, A/N, has_P, C (N>1), has_comm], with G, C and W
+    as ``shape_of`` (its rank count, buckets and core sharing) sees them."""
+    num_ranks = shape_of.num_ranks
     f = np.zeros((len(samples), 8))
     for k, s in enumerate(samples):
         sh = s.shape
-        g = max(p + d for p, d in zip(sh.n_p, sh.n_d, strict=True))
+        load = max(p + d for p, d in zip(sh.n_p, sh.n_d, strict=True))
+        g = shape_of.padded(load)
         c = max(sh.n_p)
-        w = max(sh.w_d)
+        if c and shape_of.token_buckets:
+            c = shape_of.padded(load)
+        w = shape_of.decode_work(sh.w_d)
         f[k] = (g, g > 0, w, w > 0, sh.a_p / num_ranks, c > 0,
                 c if num_ranks > 1 else 0, c > 0 and num_ranks > 1)
     return f
@@ -220,7 +252,7 @@ def _predict(f: np.ndarray, th: np.ndarray, L: int, alpha: float, beta: float) -
 def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
         meta: dict[str, Any] | None = None,
         contention_grid: Sequence[float] = tuple(np.round(np.arange(1.0, 2.001, 0.05), 3)),
-        ) -> LatencyModel:
+        token_buckets: Sequence[int] = (), shared_cores: bool = False) -> LatencyModel:
     """Least-squares fit of all coefficients from measured whole-iteration samples.
 
     Include decode-only, prefill-only and mixed batches: the intercepts of the
@@ -229,10 +261,14 @@ def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
     are found by alternating least squares (which path dominates a mixed sample depends
     on the coefficients); the pair with the lowest training MAPE wins. The per-iteration
     constant overhead is absorbed into the GEMM intercept (the two are collinear).
+    ``token_buckets`` and ``shared_cores`` describe the executor that was timed (see the
+    module docstring) and are kept in the fitted model.
     """
     if len(samples) < len(_PARAMS):
         raise ValueError(f"fit needs at least {len(_PARAMS)} samples, got {len(samples)}")
-    f = _features(samples, num_ranks)
+    shape_of = LatencyModel(num_layers, num_ranks, Affine(), Affine(), Affine(), Affine(),
+                            token_buckets=tuple(token_buckets), shared_cores=shared_cores)
+    f = _features(samples, shape_of)
     y = np.array([s.seconds for s in samples], dtype=float)
     L = num_layers
     has_mixed = bool(np.any((f[:, 3] > 0) & (f[:, 5] > 0)))
@@ -258,5 +294,6 @@ def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
         num_layers=L, num_ranks=num_ranks,
         gemm=Affine(float(th[0]), float(th[1])), dec=Affine(float(th[2]), float(th[3])),
         pre=Affine(float(th[4]), float(th[5])), comm=Affine(float(th[6]), float(th[7])),
-        alpha=alpha, beta=beta, overhead_s=0.0,
+        alpha=alpha, beta=beta, overhead_s=0.0, token_buckets=shape_of.token_buckets,
+        shared_cores=shared_cores,
         meta={**(meta or {}), "source": "profile", "num_samples": len(samples)})

@@ -367,8 +367,7 @@ class Scheduler:
     def _dispatch_conflux(self, now: float,
                           preempted: list[int]) -> tuple[list[PrefillPiece], float]:
         n_d, ctx = self._n_d, self._ctx
-        w_max = max(c + d for c, d in zip(ctx, n_d, strict=True))
-        disp = Dispatcher(self.model, self._tau, n_d, self.model.decode_path(w_max),
+        disp = Dispatcher(self.model, self._tau, n_d, self._decode_path(),
                           self.cfg.quantum, self.cfg.max_tokens_per_rank)
         pieces: list[PrefillPiece] = []
         if not self._pending:
@@ -438,10 +437,13 @@ class Scheduler:
             est = self.model.iteration(max(n_p), max(n_p), a_p, 0.0)
         else:
             loads = [p + d for p, d in zip(n_p, self._n_d, strict=True)]
-            w_max = max(c + d for c, d in zip(self._ctx, self._n_d, strict=True))
-            est = self.model.iteration(max(loads), max(n_p), a_p, self.model.decode_path(w_max))
+            est = self.model.iteration(max(loads), max(n_p), a_p, self._decode_path())
         return pieces, est
 
+    def _decode_path(self) -> float:
+        """T_D of this iteration's resident decodes (each attends to its context + 1)."""
+        w = [c + d for c, d in zip(self._ctx, self._n_d, strict=True)]
+        return self.model.decode_path(self.model.decode_work(w))
+
     def _decode_only_estimate(self) -> float:
-        w_max = max(c + d for c, d in zip(self._ctx, self._n_d, strict=True))
-        return self.model.iteration(max(self._n_d), 0, 0.0, self.model.decode_path(w_max))
+        return self.model.iteration(max(self._n_d), 0, 0.0, self._decode_path())

@@ -90,3 +90,42 @@ def test_fit_with_noise_stays_accurate() -> None:
 
 def test_mape_of_exact_model_is_zero() -> None:
     assert mape(TRUE, _samples(random.Random(2), TRUE, 20)) == pytest.approx(0.0)
+
+
+# ---- executor facts: token buckets, ranks that share cores ------------------------------
+BUCKETED = LatencyModel(num_layers=4, num_ranks=4, gemm=Affine(2e-6, 1e-4),
+                        dec=Affine(3e-8, 2e-5), pre=Affine(5e-10, 3e-5),
+                        comm=Affine(1e-7, 4e-5), alpha=1.25, beta=1.1,
+                        token_buckets=(16, 64, 256, 1024, 4096), shared_cores=True)
+
+
+def test_buckets_price_the_padded_shape() -> None:
+    assert [BUCKETED.padded(x) for x in (0, 1, 16, 17, 64, 65, 4096, 5000)] == \
+        [0, 16, 16, 64, 64, 256, 4096, 5000]
+    # 17 and 64 tokens per rank run the same 64-slot executable: same GEMM and all-to-all.
+    a = BatchShape((17, 0, 0, 0), (0,) * 4, (0,) * 4, 17 * 9.0)
+    b = BatchShape((64, 0, 0, 0), (0,) * 4, (0,) * 4, 17 * 9.0)
+    assert BUCKETED.estimate(a) == pytest.approx(BUCKETED.estimate(b))
+    want = 4 * (BUCKETED.gemm(64) + BUCKETED.comm(64) + BUCKETED.pre(17 * 9.0 / 4))
+    assert BUCKETED.estimate(a) == pytest.approx(want)
+
+
+def test_shared_cores_add_decode_work_over_ranks() -> None:
+    spread = BatchShape((0,) * 4, (1, 1, 0, 0), (8000, 8000, 0, 0), 0.0)
+    one = BatchShape((0,) * 4, (2, 0, 0, 0), (16000, 0, 0, 0), 0.0)
+    # Same padded buffer (16) and the same summed context: the same time on shared cores.
+    assert BUCKETED.estimate(spread) == pytest.approx(BUCKETED.estimate(one))
+    assert BUCKETED.decode_work([3, 4, 5]) == 12 and TRUE.decode_work([3, 4, 5]) == 5
+
+
+def test_bucketed_json_round_trip_and_fit(tmp_path) -> None:
+    BUCKETED.save(tmp_path / "b.json")
+    assert LatencyModel.load(tmp_path / "b.json") == BUCKETED
+    rng = random.Random(3)
+    train, held_out = _samples(rng, BUCKETED, 200), _samples(rng, BUCKETED, 200)
+    fitted = fit(train, num_layers=4, num_ranks=4, token_buckets=BUCKETED.token_buckets,
+                 shared_cores=True)
+    assert fitted.token_buckets == BUCKETED.token_buckets and fitted.shared_cores
+    assert mape(fitted, held_out) < 1.0
+    # The unpadded, max-over-ranks form cannot describe these timings.
+    assert mape(fit(train, num_layers=4, num_ranks=4), held_out) > 3 * mape(fitted, held_out)
