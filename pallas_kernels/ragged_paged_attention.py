@@ -367,6 +367,10 @@ def _rpa_reference(
     row_ok = live[:, None] & (offs[None] < ntok[:, None])
     kv_end = jnp.where(live, pos0 + ntok, 0)  # i32[G] keys a block needs: [0, kv_end)
     hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
+    # Pages as flat rows: callers that hold one pool under several page shapes (the Conflux
+    # step's prefill and decode views) then hand every loop the same buffer, which XLA
+    # would otherwise copy whole into each loop that reads a differently shaped view.
+    k_rows, v_rows = k_pages.reshape(p, -1), v_pages.reshape(p, -1)
 
     def block_group(i: jax.Array, out: jax.Array) -> jax.Array:
         def take(x: jax.Array) -> jax.Array:
@@ -381,8 +385,8 @@ def _rpa_reference(
         def kv_block(c: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             acc, m, l_sum = state  # f32[gb, b, Hkv, group, d], f32[gb, b, Hkv, group] x2
             pages = lax.dynamic_slice_in_dim(tbl, c * chunk_pages, chunk_pages, axis=1)
-            k = k_pages[pages].reshape(gb, chunk, hkv, d)
-            v = v_pages[pages].reshape(gb, chunk, hkv, d)
+            k = k_rows[pages].reshape(gb, chunk, hkv, d)
+            v = v_rows[pages].reshape(gb, chunk, hkv, d)
             logits = jnp.einsum(
                 "gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32, precision=hi
             )
