@@ -20,7 +20,7 @@ from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor, Seque
 from conflux_jax.outputs import OutputTracker, RequestOutput
 from conflux_jax.sampling import SamplingParams
 from conflux_jax.scheduler.config import SchedulerConfig
-from conflux_jax.scheduler.latency import LatencyModel
+from conflux_jax.scheduler.latency import LatencyModel, load_fitted
 from conflux_jax.scheduler.request import Request
 from conflux_jax.scheduler.scheduler import Scheduler
 
@@ -45,7 +45,10 @@ class EngineConfig:
     policy: str = "conflux"
     ttft_slo_s: float = 10.0
     tbt_slo_s: float = 1.0
-    latency_model: LatencyModel | None = None  # None = a conservative built-in estimate
+    # None = the fitted coefficients shipped for ``profile`` on this hardware and mesh
+    # (``scheduler/coeffs/``), else a conservative built-in estimate.
+    latency_model: LatencyModel | None = None
+    profile: str | None = None  # model name for the fitted coefficients ("default", a path)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -86,8 +89,8 @@ class Engine:
         ec = config.executor
         if mode == "tp_chunked" and self.executor.num_ranks != 1:
             raise ValueError("the chunked baseline runs uniform TP: use a mesh with sp=1")
-        self.latency_model = config.latency_model or default_latency_model(
-            model_config.num_layers, self.executor.num_ranks)
+        self.latency_model = config.latency_model or self._fitted_latency_model() or \
+            default_latency_model(model_config.num_layers, self.executor.num_ranks)
         self.scheduler = Scheduler(
             SchedulerConfig(tbt_slo_s=config.tbt_slo_s, ttft_slo_s=config.ttft_slo_s,
                             order=order, mode=mode, quantum=1,
@@ -101,6 +104,13 @@ class Engine:
         self._live: dict[int, _Live] = {}
         self._next_id = 0
         self._rng = random.Random()
+
+    def _fitted_latency_model(self) -> LatencyModel | None:
+        if self.config.profile is None:
+            return None
+        mesh = self.executor.mesh_spec
+        return load_fitted(self.config.profile, self.executor.mesh.devices.flat[0].platform,
+                           mesh.sp, mesh.tp, self.config.executor.buckets.tokens)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams,

@@ -38,7 +38,7 @@ class LLM:
             max_len = min(max_model_len or 2048, self.config.max_position_embeddings)
             engine_config = EngineConfig(
                 executor=ExecutorConfig(mesh=mesh, dtype=dtype, max_model_len=max_len),
-                policy=policy)
+                policy=policy, profile=model)
         self.engine = Engine(ckpt.config, ckpt.params, ckpt.tokenizer, engine_config)
         self.max_model_len = self.engine.max_model_len
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from typing import Any
@@ -84,15 +83,6 @@ def _wants_gpu() -> bool:
     return any(x in platforms for x in ("cuda", "gpu", "rocm", "tpu"))
 
 
-def _cpu_devices_for(mesh: str | None) -> int:
-    """Host devices to simulate: the default, or as many as an explicit ``--mesh`` names
-    (a malformed mesh is reported by ``MeshSpec.parse`` later, with its own message)."""
-    sizes = dict(re.findall(r"(sp|tp)\s*=\s*(\d+)", mesh or ""))
-    if "sp" not in sizes:
-        return CPU_SIMULATED_DEVICES
-    return max(1, int(sizes["sp"]) * int(sizes.get("tp", 1)))
-
-
 def build_engine(args: argparse.Namespace) -> Any:
     from conflux_jax.checkpoints import load_checkpoint
     from conflux_jax.engine import Engine, EngineConfig
@@ -110,7 +100,8 @@ def build_engine(args: argparse.Namespace) -> Any:
                               compile_cache=args.compile_cache)
     return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
                   EngineConfig(executor=executor, policy=args.policy,
-                               ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo))
+                               ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                               profile=args.model))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         # Importing jax is harmless here: XLA reads the flag when the backend first
         # initialises, which nothing has triggered yet. On a GPU host the flag only
         # affects the (unused) CPU platform.
-        from conflux_jax.executor.mesh import simulate_cpu_devices
+        from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 
-        simulate_cpu_devices(_cpu_devices_for(args.mesh))
+        simulate_cpu_devices(devices_named_by(args.mesh, CPU_SIMULATED_DEVICES))
     import uvicorn
 
     from serving.app import ServerSettings, create_app

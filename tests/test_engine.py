@@ -148,3 +148,23 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
     assert ok.outputs[0].token_ids == solo_greedy([5, 6, 7], 4)
     bm = engine.executor.block_manager
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+
+
+def test_engine_uses_the_fitted_profile_for_its_mesh(tmp_path, monkeypatch):
+    from conflux_jax.scheduler import latency
+    from conflux_jax.scheduler.latency import Affine, LatencyModel
+
+    monkeypatch.setattr(latency, "COEFFS_DIR", tmp_path)
+    fitted = LatencyModel(num_layers=TINY_LLAMA.num_layers, num_ranks=4, gemm=Affine(3e-5, 1e-3),
+                          dec=Affine(1e-7, 1e-4), pre=Affine(1e-9, 1e-4), comm=Affine(1e-6, 1e-4),
+                          token_buckets=(8, 32), shared_cores=True)
+    fitted.save(latency.coeffs_path("tiny-fit", "cpu", 4, 1))
+    ec = ExecutorConfig(mesh="sp=4,tp=1", num_pages=16, max_model_len=64)
+    engine = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
+                    EngineConfig(executor=ec, profile="/models/tiny-fit.gguf"))
+    got = engine.latency_model
+    assert (got.gemm, got.dec, got.shared_cores) == (fitted.gemm, fitted.dec, True)
+    assert got.token_buckets == ec.buckets.tokens  # priced for this executor's buckets
+    unknown = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
+                     EngineConfig(executor=ec, profile="no-such-model"))
+    assert unknown.latency_model.gemm != fitted.gemm  # the built-in estimate

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs per system; the fastest counts")
     ap.add_argument("--threads", type=int, help="torch / llama.cpp threads (default: theirs)")
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--mesh", help="our engine's mesh, e.g. 'sp=4,tp=1' (simulated CPU devices "
+                                   "are created to match); default: every visible device")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -201,10 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         run_ours = lambda reqs: run_server(args.url, model_id, reqs)  # noqa: E731
         ours_label = f"server {args.url}"
     else:
-        engine = engine_from_model(args.model, args.max_model_len, "conflux", 60.0, 10.0)
+        if args.mesh:
+            from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
+
+            simulate_cpu_devices(devices_named_by(args.mesh, 1))
+        engine = engine_from_model(args.model, args.max_model_len, "conflux", 60.0, 10.0,
+                                   mesh=args.mesh)
         vocab = engine.model_config.vocab_size
         run_ours = lambda reqs: run_engine(engine, reqs)  # noqa: E731
-        ours_label = "in-process engine"
+        mesh = engine.executor.mesh_spec
+        ours_label = f"in-process engine, mesh sp={mesh.sp},tp={mesh.tp}"
     peers: list[Any] = []
     skipped: dict[str, str] = {}
     for name in args.peers:

@@ -9,6 +9,7 @@ random heterogeneous batches that the fit never saw.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -98,6 +99,50 @@ def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx:
     return samples["train"], samples["test"]
 
 
+def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
+    """Time the real executor; returns (train, test, the setup the fit needs)."""
+    from conflux_jax.checkpoints import load_checkpoint
+    from conflux_jax.executor.buckets import BucketConfig
+    from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
+
+    ckpt = load_checkpoint(args.model)
+    buckets = BucketConfig(tokens=(16, 64, 256), decode=(16,), max_prefill_seqs=2)
+    ec = ExecutorConfig(mesh=args.mesh, page_size=16, num_pages=512,
+                        max_model_len=args.max_context + 16, buckets=buckets)
+    ex = JaxExecutor(ckpt.config, ckpt.params, ec, sequences={})
+    ex.warmup()
+    train, test = profile(ex, args.train, args.test, args.repeats, args.seed,
+                          args.max_context, args.max_chunk, args.max_decodes)
+    mesh = ex.mesh_spec
+    return train, test, {
+        "num_layers": ckpt.config.num_layers, "sp": mesh.sp, "tp": mesh.tp,
+        "mesh": args.mesh, "token_buckets": list(buckets.tokens),
+        # Simulated CPU devices time-share the host's cores (see latency.py).
+        "shared_cores": ex.mesh.devices.flat[0].platform == "cpu" and ex.num_ranks > 1}
+
+
+def _load_samples(path: Path) -> tuple[list, list, dict]:
+    """The samples and setup of an earlier ``--profile --json`` run."""
+    from conflux_jax.scheduler.latency import BatchShape, ProfileSample
+
+    saved = json.loads(path.read_text())
+    groups: dict[str, list] = {"train": [], "test": []}
+    for s in saved["samples"]:
+        shape = BatchShape(tuple(s["n_p"]), tuple(s["n_d"]), tuple(s["w_d"]), float(s["a_p"]))
+        groups[s["split"]].append(ProfileSample(shape, float(s["seconds"])))
+    setup = saved.get("setup") or _setup_from_model(saved["model"])
+    return groups["train"], groups["test"], setup
+
+
+def _setup_from_model(model: dict) -> dict:
+    # Files written before "setup" was saved: the fitted model records the same facts.
+    sp = int(model["num_ranks"])
+    return {"num_layers": int(model["num_layers"]), "sp": sp, "tp": 1,
+            "mesh": model["meta"].get("mesh", f"sp={sp},tp=1"),
+            "token_buckets": list(model.get("token_buckets", [])),
+            "shared_cores": bool(model.get("shared_cores", False))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conflux_jax.bench estimator",
                                      description=__doc__.splitlines()[0])
@@ -115,31 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="coefficients JSON (default: conventional)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--from-samples", default=None, metavar="JSON",
+                        help="refit the timings saved by an earlier --profile --json run "
+                             "instead of profiling again")
     args = parser.parse_args(argv)
-    if not args.profile:
-        parser.error("nothing to do: pass --profile")
+    if not args.profile and not args.from_samples:
+        parser.error("nothing to do: pass --profile or --from-samples JSON")
 
-    from conflux_jax.checkpoints import load_checkpoint
-    from conflux_jax.executor.buckets import BucketConfig
-    from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
-    from conflux_jax.scheduler.latency import coeffs_path, fit, mape
+    from conflux_jax.scheduler.latency import coeffs_path, fit, mape, profile_name
 
-    ckpt = load_checkpoint(args.model)
-    buckets = BucketConfig(tokens=(16, 64, 256), decode=(16,), max_prefill_seqs=2)
-    ec = ExecutorConfig(mesh=args.mesh, page_size=16, num_pages=512,
-                        max_model_len=args.max_context + 16, buckets=buckets)
-    ex = JaxExecutor(ckpt.config, ckpt.params, ec, sequences={})
-    ex.warmup()
-    train, test = profile(ex, args.train, args.test, args.repeats, args.seed,
-                          args.max_context, args.max_chunk, args.max_decodes)
-    name = Path(str(args.model)).stem if args.model != "default" else "smollm2-135m"
-    # Simulated CPU devices time-share the host's cores (see latency.py).
-    shared = ex.mesh.devices.flat[0].platform == "cpu" and ex.num_ranks > 1
-    model = fit(train, ckpt.config.num_layers, ex.num_ranks,
-                meta={"model": name, "hardware": args.hardware, "mesh": args.mesh},
-                token_buckets=buckets.tokens, shared_cores=shared)
-    out = Path(args.out) if args.out else coeffs_path(name, args.hardware, ex.mesh_spec.sp,
-                                                      ex.mesh_spec.tp)
+    if args.from_samples:
+        train, test, setup = _load_samples(Path(args.from_samples))
+    else:
+        train, test, setup = _profile_executor(args)
+    name = profile_name(args.model)
+    model = fit(train, setup["num_layers"], setup["sp"] * setup["tp"],
+                meta={"model": name, "hardware": args.hardware, "mesh": setup["mesh"]},
+                token_buckets=setup["token_buckets"], shared_cores=setup["shared_cores"])
+    out = Path(args.out) if args.out else coeffs_path(name, args.hardware, setup["sp"],
+                                                      setup["tp"])
     model.save(out)
     train_err, test_err = mape(model, train), mape(model, test)
     print(f"fitted {len(train)} training batches -> {out}")
@@ -148,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "coefficients": str(out), "train_mape_pct": train_err, "test_mape_pct": test_err,
-            "num_train": len(train), "num_test": len(test), "model": model.to_dict()},
+            "num_train": len(train), "num_test": len(test), "model": model.to_dict(),
+            "setup": setup,
+            # The raw timings, so other model forms can be fitted without re-profiling.
+            "samples": [{"split": split, "seconds": smp.seconds,
+                         **dataclasses.asdict(smp.shape)}
+                        for split, group in (("train", train), ("test", test))
+                        for smp in group]},
             indent=2))
     return 0

@@ -89,14 +89,15 @@ def run_engine(engine: Any, reqs: list[ServeRequest], progress: bool = False
 
 
 def engine_from_model(model: str, max_model_len: int, policy: str, ttft_slo_s: float,
-                      tbt_slo_s: float) -> Any:
+                      tbt_slo_s: float, mesh: str | None = None) -> Any:
     """The default (or any checkpoint) model as an in-process engine on local devices."""
     from conflux_jax import LLM
     from conflux_jax.engine import EngineConfig
     from conflux_jax.executor.jax_executor import ExecutorConfig
 
-    cfg = EngineConfig(executor=ExecutorConfig(max_model_len=max_model_len), policy=policy,
-                       ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s)
+    cfg = EngineConfig(executor=ExecutorConfig(max_model_len=max_model_len, mesh=mesh),
+                       policy=policy,
+                       ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, profile=model)
     return LLM(model, max_model_len=max_model_len, engine_config=cfg).engine
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -51,6 +52,15 @@ class MeshSpec:
 def make_mesh(spec: MeshSpec) -> Mesh:
     devices = np.asarray(jax.devices()[: spec.size]).reshape(spec.sp, spec.tp)
     return Mesh(devices, (SP, TP))
+
+
+def devices_named_by(mesh: str | None, default: int) -> int:
+    """Devices an ``"sp=4,tp=1"``-style mesh needs, or ``default`` when it names no sp size
+    (a malformed mesh is reported by ``MeshSpec.parse`` later, with its own message)."""
+    sizes = dict(re.findall(r"(sp|tp)\s*=\s*(\d+)", mesh or ""))
+    if "sp" not in sizes:
+        return default
+    return max(1, int(sizes["sp"]) * int(sizes.get("tp", 1)))
 
 
 def simulate_cpu_devices(count: int = 4) -> None:

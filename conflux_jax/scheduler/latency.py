@@ -97,6 +97,9 @@ class LatencyModel:
     beta: float = 1.0
     overhead_s: float = 0.0
     token_buckets: tuple[int, ...] = ()  # the executor's token buckets; () = no padding
+    # Measured per-layer GEMM seconds of each token bucket (one executable each), when
+    # fitted that way; ``gemm`` then only prices loads beyond the largest bucket.
+    gemm_per_bucket: tuple[float, ...] = ()
     shared_cores: bool = False  # ranks time-share host cores (simulated CPU mesh)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -105,6 +108,24 @@ class LatencyModel:
         """The token-buffer size the executor runs for a per-rank ``load``."""
         i = bisect.bisect_left(self.token_buckets, load)
         return self.token_buckets[i] if load > 0 and i < len(self.token_buckets) else load
+
+    def gemm_time(self, load: int) -> float:
+        """Per-layer time of the linears for a per-rank ``load`` (padded as executed)."""
+        i = bisect.bisect_left(self.token_buckets, load)
+        if load > 0 and i < len(self.gemm_per_bucket):
+            return self.gemm_per_bucket[i]
+        return self.gemm(self.padded(load))
+
+    def for_buckets(self, token_buckets: Sequence[int]) -> LatencyModel:
+        """The same fit priced for an executor with other token buckets: per-bucket GEMM
+        times are interpolated between the measured buckets (``gemm`` beyond them)."""
+        buckets = tuple(int(b) for b in token_buckets)
+        table: tuple[float, ...] = ()
+        if self.gemm_per_bucket:
+            xs, ys = self.token_buckets, self.gemm_per_bucket
+            table = tuple(float(np.interp(b, xs, ys)) if b <= xs[-1] else self.gemm(b)
+                          for b in buckets)
+        return dataclasses.replace(self, token_buckets=buckets, gemm_per_bucket=table)
 
     def decode_work(self, w_d: Sequence[float]) -> float:
         """The decode context that sets ``T_D``, from the per-rank decode contexts."""
@@ -136,7 +157,7 @@ class LatencyModel:
             t_attn = bp if bp > ad else ad
         else:
             t_attn = t_p + t_d
-        return self.num_layers * (self.gemm(self.padded(max_load)) + t_attn) + self.overhead_s
+        return self.num_layers * (self.gemm_time(max_load) + t_attn) + self.overhead_s
 
     def estimate(self, shape: BatchShape) -> float:
         loads = [p + d for p, d in zip(shape.n_p, shape.n_d, strict=True)]
@@ -151,6 +172,7 @@ class LatencyModel:
             "pre": dataclasses.asdict(self.pre), "comm": dataclasses.asdict(self.comm),
             "alpha": self.alpha, "beta": self.beta, "overhead_s": self.overhead_s,
             "token_buckets": list(self.token_buckets), "shared_cores": self.shared_cores,
+            "gemm_per_bucket": list(self.gemm_per_bucket),
             "meta": self.meta,
         }
 
@@ -162,6 +184,7 @@ class LatencyModel:
                    overhead_s=float(d.get("overhead_s", 0.0)),
                    token_buckets=tuple(int(b) for b in d.get("token_buckets", ())),
                    shared_cores=bool(d.get("shared_cores", False)),
+                   gemm_per_bucket=tuple(float(x) for x in d.get("gemm_per_bucket", ())),
                    meta=dict(d.get("meta", {})))
 
     def save(self, path: str | Path) -> None:
@@ -179,6 +202,22 @@ COEFFS_DIR = Path(__file__).parent / "coeffs"
 def coeffs_path(model: str, hardware: str, sp: int, tp: int = 1) -> Path:
     """Conventional JSON location for fitted coefficients of (model, hardware, mesh)."""
     return COEFFS_DIR / f"{model}__{hardware}__sp{sp}_tp{tp}.json"
+
+
+def profile_name(model: str) -> str:
+    """The name a checkpoint's fitted coefficients go by (``coeffs_path``'s ``model``)."""
+    return "smollm2-135m" if model == "default" else Path(str(model)).stem
+
+
+def load_fitted(model: str, hardware: str, sp: int, tp: int,
+                token_buckets: Sequence[int]) -> LatencyModel | None:
+    """The shipped (or profiled) fit for this (model, hardware, mesh), if there is one,
+    priced for an executor with ``token_buckets`` (the per-token coefficients carry over;
+    only the padding changes)."""
+    path = coeffs_path(profile_name(model), hardware, sp, tp)
+    if not path.is_file():
+        return None
+    return LatencyModel.load(path).for_buckets(token_buckets)
 
 
 # ---- fitting ---------------------------------------------------------------------------
@@ -220,16 +259,25 @@ def _features(samples: Sequence[ProfileSample], shape_of: LatencyModel) -> np.nd
     return f
 
 
-def _solve(f: np.ndarray, y: np.ndarray, L: int, alpha: float, beta: float,
+def _gemm_columns(f: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
+    """The GEMM part of the design matrix: [G, has_G] (affine), or with token buckets one
+    indicator per bucket (each bucket is one executable with its own measured time)."""
+    if not buckets:
+        return f[:, :2]
+    return np.column_stack([f[:, 0] == b for b in buckets]).astype(float)
+
+
+def _solve(f: np.ndarray, g: np.ndarray, y: np.ndarray, L: int, alpha: float, beta: float,
            dom_p: np.ndarray) -> np.ndarray:
-    """Linear least squares in the 8 coefficients given which attention path dominates.
+    """Linear least squares in the GEMM columns ``g`` and the 6 attention coefficients,
+    given which attention path dominates each mixed sample.
 
     Rows are scaled by 1/y so the fit minimises relative error (the MAPE target).
     """
     mixed = (f[:, 3] > 0) & (f[:, 5] > 0)
     wd = np.where(mixed, np.where(dom_p, 0.0, alpha), 1.0)
     wp = np.where(mixed, np.where(dom_p, beta, 0.0), 1.0)
-    x = L * np.column_stack([f[:, 0], f[:, 1], wd * f[:, 2], wd * f[:, 3],
+    x = L * np.column_stack([g, wd * f[:, 2], wd * f[:, 3],
                              wp * f[:, 4], wp * f[:, 5], wp * f[:, 6], wp * f[:, 7]])
     x = x / y[:, None]
     theta = np.linalg.lstsq(x, np.ones_like(y), rcond=None)[0]
@@ -237,16 +285,18 @@ def _solve(f: np.ndarray, y: np.ndarray, L: int, alpha: float, beta: float,
 
 
 def _paths(f: np.ndarray, th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    t_d = th[2] * f[:, 2] + th[3] * f[:, 3]
-    t_p = (th[4] * f[:, 4] + th[5] * f[:, 5] + th[6] * f[:, 6] + th[7] * f[:, 7]) * (f[:, 5] > 0)
+    a = th[-6:]  # attention coefficients: d_a, d_b, p_a, p_b, c_a, c_b
+    t_d = a[0] * f[:, 2] + a[1] * f[:, 3]
+    t_p = (a[2] * f[:, 4] + a[3] * f[:, 5] + a[4] * f[:, 6] + a[5] * f[:, 7]) * (f[:, 5] > 0)
     return t_p, t_d
 
 
-def _predict(f: np.ndarray, th: np.ndarray, L: int, alpha: float, beta: float) -> np.ndarray:
+def _predict(f: np.ndarray, g: np.ndarray, th: np.ndarray, L: int, alpha: float,
+             beta: float) -> np.ndarray:
     t_p, t_d = _paths(f, th)
     mixed = (t_p > 0) & (t_d > 0)
     attn = np.where(mixed, np.maximum(beta * t_p, alpha * t_d), t_p + t_d)
-    return L * (th[0] * f[:, 0] + th[1] * f[:, 1] + attn)
+    return L * (g @ th[:-6] + attn)
 
 
 def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
@@ -269,6 +319,7 @@ def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
     shape_of = LatencyModel(num_layers, num_ranks, Affine(), Affine(), Affine(), Affine(),
                             token_buckets=tuple(token_buckets), shared_cores=shared_cores)
     f = _features(samples, shape_of)
+    g = _gemm_columns(f, shape_of.token_buckets)
     y = np.array([s.seconds for s in samples], dtype=float)
     L = num_layers
     has_mixed = bool(np.any((f[:, 3] > 0) & (f[:, 5] > 0)))
@@ -277,23 +328,42 @@ def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
     for alpha in grid:
         for beta in grid:
             dom_p = np.zeros(len(y), dtype=bool)
-            th = _solve(f, y, L, alpha, beta, dom_p)
+            th = _solve(f, g, y, L, alpha, beta, dom_p)
             for _ in range(6):
                 t_p, t_d = _paths(f, th)
                 new_dom = beta * t_p > alpha * t_d
                 if np.array_equal(new_dom, dom_p):
                     break
                 dom_p = new_dom
-                th = _solve(f, y, L, alpha, beta, dom_p)
-            err = float(np.mean(np.abs(_predict(f, th, L, alpha, beta) - y) / y))
+                th = _solve(f, g, y, L, alpha, beta, dom_p)
+            err = float(np.mean(np.abs(_predict(f, g, th, L, alpha, beta) - y) / y))
             if best is None or err < best[0]:
                 best = (err, th, float(alpha), float(beta))
     assert best is not None
     _, th, alpha, beta = best
+    a = [float(x) for x in th[-6:]]
+    gemm, per_bucket = Affine(float(th[0]), float(th[1])), ()
+    if shape_of.token_buckets:
+        gemm, per_bucket = _bucket_table(shape_of.token_buckets, th[:-6], g.any(axis=0))
     return LatencyModel(
-        num_layers=L, num_ranks=num_ranks,
-        gemm=Affine(float(th[0]), float(th[1])), dec=Affine(float(th[2]), float(th[3])),
-        pre=Affine(float(th[4]), float(th[5])), comm=Affine(float(th[6]), float(th[7])),
+        num_layers=L, num_ranks=num_ranks, gemm=gemm, dec=Affine(a[0], a[1]),
+        pre=Affine(a[2], a[3]), comm=Affine(a[4], a[5]),
         alpha=alpha, beta=beta, overhead_s=0.0, token_buckets=shape_of.token_buckets,
-        shared_cores=shared_cores,
+        shared_cores=shared_cores, gemm_per_bucket=per_bucket,
         meta={**(meta or {}), "source": "profile", "num_samples": len(samples)})
+
+
+def _bucket_table(buckets: Sequence[int], times: np.ndarray, seen: np.ndarray
+                  ) -> tuple[Affine, tuple[float, ...]]:
+    """Per-bucket GEMM times, plus the line through the measured ones (for buckets no
+    sample ran, and for loads beyond the largest bucket)."""
+    xs = np.array(buckets, dtype=float)[seen]
+    ys = np.asarray(times, dtype=float)[seen]
+    if len(xs) >= 2:
+        slope, intercept = np.polyfit(xs, ys, 1)
+    else:
+        slope, intercept = 0.0, float(ys[0]) if len(ys) else 0.0
+    line = Affine(max(0.0, float(slope)), max(0.0, float(intercept)))
+    table = tuple(float(t) if ok else line(b)
+                  for b, t, ok in zip(buckets, times, seen, strict=True))
+    return line, table

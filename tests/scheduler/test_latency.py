@@ -129,3 +129,21 @@ def test_bucketed_json_round_trip_and_fit(tmp_path) -> None:
     assert mape(fitted, held_out) < 1.0
     # The unpadded, max-over-ranks form cannot describe these timings.
     assert mape(fit(train, num_layers=4, num_ranks=4), held_out) > 3 * mape(fitted, held_out)
+
+
+def test_per_bucket_gemm_fit_and_repricing_for_other_buckets() -> None:
+    rng = random.Random(4)
+    train = _samples(rng, BUCKETED, 200)
+    fitted = fit(train, num_layers=4, num_ranks=4, token_buckets=BUCKETED.token_buckets,
+                 shared_cores=True)
+    # One measured time per bucket (what each executable costs), equal to the truth here.
+    assert fitted.gemm_per_bucket == pytest.approx(
+        [BUCKETED.gemm(b) for b in BUCKETED.token_buckets], rel=1e-3)
+    assert fitted.gemm_time(17) == pytest.approx(BUCKETED.gemm(64), rel=1e-3)
+    # An engine with other buckets: interpolated inside the measured range, the fitted line
+    # beyond it.
+    other = fitted.for_buckets((32, 64, 8192))
+    assert other.token_buckets == (32, 64, 8192)
+    assert other.gemm_time(20) == pytest.approx(BUCKETED.gemm(32), rel=1e-3)
+    assert other.gemm_time(8000) == pytest.approx(BUCKETED.gemm(8192), rel=1e-2)
+    assert LatencyModel.from_dict(fitted.to_dict()) == fitted
