@@ -11,11 +11,13 @@ sits at absolute position ``kv_lens[s] - q_len_s + j`` and attends causally to K
 
 Three implementations (see ``pallas_kernels._common``):
 
-* ``ragged_paged_attention_reference``: pure ``jnp`` (the fast path on CPU). Runs the
-  kernel's query blocks (one token for decode-like calls, 32 otherwise) a group at a time,
-  vectorized over the group, over their pages in chunks of 128 tokens up to the group's
-  furthest position, with an online softmax; groups of idle blocks are skipped, so the
-  cost follows the live lengths, not the page table's width.
+* ``ragged_paged_attention_reference``: pure ``jnp`` (the fast path on CPU). Prefill: the
+  kernel's 32-token query blocks a group at a time, vectorized over the group, over their
+  pages in chunks of 128 tokens up to the group's furthest position, with an online
+  softmax; groups of idle blocks are skipped. Decode: every (sequence, 128-token chunk)
+  pair is a work item, items run a group at a time and partial softmaxes are merged per
+  sequence (flash-decoding). Either way the cost follows the live lengths, not the page
+  table's width.
 * The Pallas kernel (``impl="pallas"`` compiled through Pallas' Triton lowering on GPU,
   ``impl="interpret"`` anywhere): a flash-attention kernel. Program ``(b, h, k)`` takes query
   block ``b`` (``block_q`` tokens of one sequence times the ``Hq // Hkv`` query heads sharing
@@ -320,16 +322,26 @@ def _prepare_metadata(
 # --------------------------------------------------------------------------------------------
 
 
-def default_reference_blocks(num_tokens: int, max_seqs: int) -> tuple[int, int]:
-    """(block_q, group_blocks) for the reference: one-token blocks for decode-like calls
-    (at most two tokens per sequence), 32-token blocks otherwise; 8 blocks per group."""
-    return (1 if num_tokens <= 2 * max_seqs else 32), 8
+class ReferenceTiling(NamedTuple):
+    block_q: int
+    group_blocks: int
+    kv_chunk: int
+    split_kv: bool
 
 
-_DEFAULT_KV_CHUNK = 128
+def default_reference_tiling(num_tokens: int, max_seqs: int) -> ReferenceTiling:
+    """Tiling of the reference (measured on a 2-core CPU, SmolLM2 shapes). Decode-like
+    calls (at most two tokens per sequence): one-token blocks, their KV split into 64-token
+    work items, 16 items per group. Otherwise 32-token blocks, 8 per group, each walking
+    its KV in 128-token chunks."""
+    if num_tokens <= 2 * max_seqs:
+        return ReferenceTiling(1, 16, 64, True)
+    return ReferenceTiling(32, 8, 128, False)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "group_blocks", "kv_chunk"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "block_q", "group_blocks", "kv_chunk", "split_kv")
+)
 def _rpa_reference(
     q: jax.Array,  # f[T, Hq, d]
     k_pages: jax.Array,  # f[P, page_size, Hkv, d]
@@ -343,7 +355,12 @@ def _rpa_reference(
     block_q: int,
     group_blocks: int,
     kv_chunk: int,
+    split_kv: bool,
 ) -> jax.Array:  # f[T, Hq, d]
+    if split_kv:
+        return _rpa_reference_split_kv(
+            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, block_q=block_q, group_size=group_blocks, kv_chunk=kv_chunk)
     t, hq, d = q.shape
     p, ps, hkv, _ = k_pages.shape
     s, pps = page_indices.shape
@@ -416,6 +433,103 @@ def _rpa_reference(
     return lax.fori_loop(0, cdiv(num_live, gb), block_group, jnp.zeros_like(q))
 
 
+def _rpa_reference_split_kv(
+    q: jax.Array,  # f[T, Hq, d]
+    k_pages: jax.Array,  # f[P, page_size, Hkv, d]
+    v_pages: jax.Array,  # f[P, page_size, Hkv, d]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    block_q: int,
+    group_size: int,
+    kv_chunk: int,
+) -> jax.Array:  # f[T, Hq, d]
+    """Flash-decoding form: every (query block, KV chunk) pair is one work item; items run
+    ``group_size`` at a time and each group's partial softmaxes are merged into their
+    blocks. Work follows the summed live lengths, however unequal (one long sequence is
+    split over a whole group instead of walked chunk by chunk)."""
+    t, hq, d = q.shape
+    p, ps, hkv, _ = k_pages.shape
+    s, pps = page_indices.shape
+    group = hq // hkv
+    b, gw = block_q, group_size
+    kv_lens, page_indices, cu, n = _prepare_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, s)
+    sch = _schedule(cu, kv_lens, num_tokens=t, block_q=b)  # live blocks first, idle after
+    g_total = sch.seq.shape[0]
+    live = sch.seq >= 0
+    seq = jnp.maximum(sch.seq, 0)
+    chunk_pages = max(1, min(kv_chunk // ps, pps))
+    chunk = chunk_pages * ps
+    width = cdiv(pps, chunk_pages) * chunk_pages
+    table = jnp.pad(jnp.clip(page_indices, 0, p - 1), ((0, 0), (0, width - pps)))
+    n_chunks = (jnp.where(live, sch.pos0 + sch.ntok, 0) + chunk - 1) // chunk  # i32[G]
+    items_end = jnp.cumsum(n_chunks).astype(jnp.int32)  # items are block-major
+    items_begin = items_end - n_chunks
+    total = items_end[-1]
+    offs = jnp.arange(b, dtype=jnp.int32)
+    lane = jnp.arange(gw, dtype=jnp.int32)
+    hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
+    k_rows, v_rows = k_pages.reshape(p, -1), v_pages.reshape(p, -1)  # see _rpa_reference
+
+    def item_group(i: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        acc, m_acc, l_acc = state  # f32[G+gw, b, Hkv, group, d], f32[G+gw, b, Hkv, group] x2
+        item = i * gw + lane
+        blk = jnp.minimum(jnp.searchsorted(items_end, item, side="right"), g_total - 1)
+        blk = blk.astype(jnp.int32)
+        c = item - items_begin[blk]  # KV chunk of the item within its block's sequence
+        qb = q[jnp.clip(sch.tok0[blk][:, None] + offs, 0, t - 1)].astype(jnp.float32)
+        qb = qb.reshape(gw, b, hkv, group, d) * sm_scale
+        q_pos = sch.pos0[blk][:, None] + offs  # i32[gw, b]
+        pages = table[seq[blk][:, None], c[:, None] * chunk_pages + jnp.arange(chunk_pages)]
+        k = k_rows[pages].reshape(gw, chunk, hkv, d)
+        v = v_rows[pages].reshape(gw, chunk, hkv, d)
+        logits = jnp.einsum(
+            "gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32, precision=hi
+        )
+        key_pos = c[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)  # i32[gw, chunk]
+        visible = (key_pos[:, None, :] <= q_pos[:, :, None]) & (item < total)[:, None, None]
+        logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
+        m = jnp.max(logits, axis=-1)
+        probs = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+        o = jnp.einsum(
+            "gbhjl,glhd->gbhjd", probs, v, preferred_element_type=jnp.float32, precision=hi
+        )
+        # Merge into the blocks blk[0] .. blk[0] + gw - 1 (block-major items span at most
+        # gw blocks): first the group's items per block, then with what the block had.
+        local = blk - blk[0]
+        m_old = lax.dynamic_slice_in_dim(m_acc, blk[0], gw)
+        m_new = jnp.maximum(m_old, jax.ops.segment_max(m, local, num_segments=gw))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        scale = jnp.exp(m - m_safe[local])
+        o_sum = jax.ops.segment_sum(o * scale[..., None], local, num_segments=gw)
+        l_sum = jax.ops.segment_sum(jnp.sum(probs, axis=-1) * scale, local, num_segments=gw)
+        keep = jnp.exp(m_old - m_safe)
+        a_old = lax.dynamic_slice_in_dim(acc, blk[0], gw)
+        l_old = lax.dynamic_slice_in_dim(l_acc, blk[0], gw)
+        return (
+            lax.dynamic_update_slice_in_dim(acc, a_old * keep[..., None] + o_sum, blk[0], 0),
+            lax.dynamic_update_slice_in_dim(m_acc, m_new, blk[0], 0),
+            lax.dynamic_update_slice_in_dim(l_acc, l_old * keep + l_sum, blk[0], 0),
+        )
+
+    rows = g_total + gw  # spare rows: every group's window of gw blocks fits
+    state = (
+        jnp.zeros((rows, b, hkv, group, d), jnp.float32),
+        jnp.full((rows, b, hkv, group), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, b, hkv, group), jnp.float32),
+    )
+    acc, _, l_acc = lax.fori_loop(0, (total + gw - 1) // gw, item_group, state)
+    o = (acc / jnp.where(l_acc == 0, 1.0, l_acc)[..., None])[:g_total]
+    tok = sch.tok0[:, None] + offs
+    ok = live[:, None] & (offs[None] < sch.ntok[:, None])
+    return jnp.zeros_like(q).at[jnp.where(ok, tok, t)].set(
+        o.reshape(g_total, b, hq, d).astype(q.dtype), mode="drop"
+    )
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,  # f[T, Hq, d]
     k_pages: jax.Array,  # f[P, page_size, Hkv, d]
@@ -428,7 +542,8 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     block_q: int | None = None,
     group_blocks: int | None = None,
-    kv_chunk: int = _DEFAULT_KV_CHUNK,
+    kv_chunk: int | None = None,
+    split_kv: bool | None = None,
 ) -> jax.Array:  # f[T, Hq, d]
     """Pure-``jnp`` ragged paged attention (same contract as ``ragged_paged_attention``).
 
@@ -437,15 +552,20 @@ def ragged_paged_attention_reference(
     ``kv_chunk`` tokens (rounded to whole pages), gathering each block's pages, up to the
     furthest position any of its blocks sees, with an online softmax. Idle blocks (the
     schedule's padding) come last and whole groups of them are skipped, so the work follows
-    the live lengths, not the page table's width. The options only trade loop trips for
-    array sizes (defaults: ``default_reference_blocks``). Pool entries past a block's last
+    the live lengths, not the page table's width. With ``split_kv`` (the default for
+    decode-like calls) each (block, chunk) pair is instead one work item, ``group_blocks``
+    items run at a time and partial softmaxes are merged per block (flash-decoding), so
+    unequal lengths cost their sum. The options only trade loop trips for array sizes
+    (defaults: ``default_reference_tiling``). Pool entries past a block's last
     position inside its last chunk are read (and masked), so they must be finite (a
     zero-initialised pool is); the Pallas kernel never reads them.
     """
     dims = _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
-    default_bq, default_gb = default_reference_blocks(dims.num_tokens, dims.max_seqs)
-    block_q = default_bq if block_q is None else block_q
-    group_blocks = default_gb if group_blocks is None else group_blocks
+    tiling = default_reference_tiling(dims.num_tokens, dims.max_seqs)
+    block_q = tiling.block_q if block_q is None else block_q
+    group_blocks = tiling.group_blocks if group_blocks is None else group_blocks
+    kv_chunk = tiling.kv_chunk if kv_chunk is None else kv_chunk
+    split_kv = tiling.split_kv if split_kv is None else bool(split_kv)
     for name, value in (("block_q", block_q), ("group_blocks", group_blocks),
                         ("kv_chunk", kv_chunk)):
         if not isinstance(value, int) or value < 1:
@@ -463,6 +583,7 @@ def ragged_paged_attention_reference(
         block_q=block_q,
         group_blocks=group_blocks,
         kv_chunk=kv_chunk,
+        split_kv=split_kv,
     )
 
 
@@ -692,10 +813,9 @@ def ragged_paged_attention(
     bs = _block_sizes(dims, impl, block_sizes)
     scale = 1.0 / math.sqrt(dims.head_dim) if sm_scale is None else float(sm_scale)
     if impl == "reference":
-        bq, gb = default_reference_blocks(dims.num_tokens, dims.max_seqs)
+        tiling = default_reference_tiling(dims.num_tokens, dims.max_seqs)
         return _rpa_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                              sm_scale=scale, block_q=bq, group_blocks=gb,
-                              kv_chunk=_DEFAULT_KV_CHUNK)
+                              sm_scale=scale, **tiling._asdict())
     return _rpa_pallas(
         q,
         k_pages,

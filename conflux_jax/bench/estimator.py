@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="sp=4,tp=1")
     parser.add_argument("--train", type=int, default=90)
     parser.add_argument("--test", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--max-chunk", type=int, default=192)
     parser.add_argument("--max-decodes", type=int, default=8, help="per rank")

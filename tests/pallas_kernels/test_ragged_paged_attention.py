@@ -365,9 +365,10 @@ def test_reference_blocks_and_chunks_are_only_speed_knobs() -> None:
     )
     args = [case[k] for k in ARG_NAMES]
     for block_q, groups, chunk in ((1, 1, 16), (7, 3, 40), (64, 8, 512), (32, 2, 8)):
-        out = ragged_paged_attention_reference(*args, block_q=block_q, group_blocks=groups,
-                                               kv_chunk=chunk)
-        check(case, np.asarray(out))
+        for split_kv in (False, True):
+            out = ragged_paged_attention_reference(*args, block_q=block_q, group_blocks=groups,
+                                                   kv_chunk=chunk, split_kv=split_kv)
+            check(case, np.asarray(out))
     with pytest.raises(ValueError, match="block_q must be a positive int"):
         ragged_paged_attention_reference(*args, block_q=0)
 
