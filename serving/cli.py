@@ -16,7 +16,9 @@ from typing import Any
 
 log = logging.getLogger("serving")
 
-CPU_SIMULATED_DEVICES = 4
+# Simulated host devices time-share the CPU's cores (each rank reads all the weights every
+# step), so one device serves fastest; `--mesh sp=4,tp=1` runs the Conflux mesh on four.
+CPU_SIMULATED_DEVICES = 1
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name clients send as 'model' (default: the --model value)")
     p.add_argument("--mesh", default=None,
                    help="device mesh, e.g. 'sp=4,tp=1' (default: every device as an sp "
-                        f"rank; on CPU {CPU_SIMULATED_DEVICES} simulated host devices)")
+                        f"rank; on CPU {CPU_SIMULATED_DEVICES} host device, or as many "
+                        "simulated ones as --mesh names)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("CONFLUX_API_KEY"),
@@ -137,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(loop, settings)
 
     def ready() -> None:
-        log.info("ready: serving %s at http://%s:%d/v1 (warm-up %.1f s, %d ranks)", name,
-                 args.host, args.port, loop.warmup_s or 0.0, engine.executor.num_ranks)
+        mesh = engine.executor.mesh_spec
+        log.info("ready: serving %s at http://%s:%d/v1 (warm-up %.1f s, mesh sp=%d,tp=%d)",
+                 name, args.host, args.port, loop.warmup_s or 0.0, mesh.sp, mesh.tp)
 
     loop.on_ready = ready
     # uvicorn's own start-up lines would repeat the address; our "ready" line says it once.

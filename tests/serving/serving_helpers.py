@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -110,9 +111,11 @@ class CliServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        # As from a user's shell: without the test session's simulated-device flag.
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         self.proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(self.port),
                                       *args], cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:

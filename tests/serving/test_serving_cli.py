@@ -62,8 +62,8 @@ def test_warmup_bar_and_one_ready_line(cli):
     ready = [line for line in log.splitlines() if "ready:" in line]
     assert len(ready) == 1, log
     assert f"{cli.url}/v1" in ready[0]
-    # No --mesh on CPU: the CLI simulated 4 host devices itself (one sp rank each).
-    assert "4 ranks" in ready[0]
+    # No --mesh on CPU: one host device (simulated ranks would share the same cores).
+    assert "mesh sp=1,tp=1" in ready[0]
 
 
 def test_readme_examples_against_the_live_server(cli):
