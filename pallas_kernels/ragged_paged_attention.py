@@ -339,6 +339,49 @@ def default_reference_tiling(num_tokens: int, max_seqs: int) -> ReferenceTiling:
     return ReferenceTiling(32, 8, 128, False)
 
 
+def _chunk_table(page_indices: jax.Array, num_pages: int, page_size: int,
+                 kv_chunk: int) -> tuple[int, int, jax.Array]:
+    """(pages per KV chunk, tokens per chunk, the page table i32[S, width] padded to whole
+    chunks with garbage slots clipped into the pool)."""
+    pps = page_indices.shape[1]
+    chunk_pages = max(1, min(kv_chunk // page_size, pps))
+    width = cdiv(pps, chunk_pages) * chunk_pages
+    table = jnp.pad(jnp.clip(page_indices, 0, num_pages - 1), ((0, 0), (0, width - pps)))
+    return chunk_pages, chunk_pages * page_size, table
+
+
+def _chunk_softmax(
+    qb: jax.Array,  # f32[G, b, Hkv, group, d] scaled queries
+    k_rows: jax.Array,  # f[P, page_size * Hkv * d] pages as flat rows
+    v_rows: jax.Array,  # f[P, page_size * Hkv * d]
+    pages: jax.Array,  # i32[G, chunk_pages] the chunk's pages per block
+    visible: jax.Array,  # bool[G, b, chunk] query may see key
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One KV chunk's partial softmax: (o f32[G, b, Hkv, group, d] unnormalised, m the row
+    max f32[G, b, Hkv, group] (-inf when all masked), l the row sum)."""
+    g, b, hkv, _, d = qb.shape
+    k = k_rows[pages].reshape(g, -1, hkv, d)
+    v = v_rows[pages].reshape(g, -1, hkv, d)
+    hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
+    logits = jnp.einsum("gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32,
+                        precision=hi)
+    logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1)
+    probs = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    o = jnp.einsum("gbhjl,glhd->gbhjd", probs, v, preferred_element_type=jnp.float32,
+                   precision=hi)
+    return o, m, jnp.sum(probs, axis=-1)
+
+
+def _blocks_to_rows(q: jax.Array, o: jax.Array, sch: _Schedule) -> jax.Array:
+    """Per-block outputs f32[G, b, Hq, d] back to the token rows f[T, Hq, d] (others 0)."""
+    t = q.shape[0]
+    offs = jnp.arange(o.shape[1], dtype=jnp.int32)
+    ok = (sch.seq >= 0)[:, None] & (offs[None] < sch.ntok[:, None])
+    rows = jnp.where(ok, sch.tok0[:, None] + offs, t)
+    return jnp.zeros_like(q).at[rows].set(o.astype(q.dtype), mode="drop")
+
+
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "block_q", "group_blocks", "kv_chunk", "split_kv")
 )
@@ -368,22 +411,15 @@ def _rpa_reference(
     b = block_q
     kv_lens, page_indices, cu, n = _prepare_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, s)
     sch = _schedule(cu, kv_lens, num_tokens=t, block_q=b)  # live blocks first, idle after
-    gb = min(group_blocks, sch.seq.shape[0])
-    pad = cdiv(sch.seq.shape[0], gb) * gb - sch.seq.shape[0]
+    g_total = sch.seq.shape[0]
+    gb = min(group_blocks, g_total)
+    pad = cdiv(g_total, gb) * gb - g_total
     live = jnp.pad(sch.seq >= 0, (0, pad))
-    seq, tok0, ntok, pos0 = (
-        jnp.pad(x, (0, pad)) for x in (jnp.maximum(sch.seq, 0), sch.tok0, sch.ntok, sch.pos0)
-    )
-    chunk_pages = max(1, min(kv_chunk // ps, pps))
-    chunk = chunk_pages * ps
-    width = cdiv(pps, chunk_pages) * chunk_pages
-    # Pad the table to whole chunks; clip garbage (unused slots) into the pool.
-    table = jnp.pad(jnp.clip(page_indices, 0, p - 1), ((0, 0), (0, width - pps)))
+    seq, tok0, pos0 = (jnp.pad(x, (0, pad)) for x in (jnp.maximum(sch.seq, 0), sch.tok0,
+                                                       sch.pos0))
+    chunk_pages, chunk, table = _chunk_table(page_indices, p, ps, kv_chunk)
     offs = jnp.arange(b, dtype=jnp.int32)
-    rows = tok0[:, None] + offs  # i32[G, b] row of q of each block slot
-    row_ok = live[:, None] & (offs[None] < ntok[:, None])
-    kv_end = jnp.where(live, pos0 + ntok, 0)  # i32[G] keys a block needs: [0, kv_end)
-    hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
+    kv_end = jnp.where(live, pos0 + jnp.pad(sch.ntok, (0, pad)), 0)  # keys: [0, kv_end)
     # Pages as flat rows: callers that hold one pool under several page shapes (the Conflux
     # step's prefill and decode views) then hand every loop the same buffer, which XLA
     # would otherwise copy whole into each loop that reads a differently shaped view.
@@ -393,7 +429,7 @@ def _rpa_reference(
         def take(x: jax.Array) -> jax.Array:
             return lax.dynamic_slice_in_dim(x, i * gb, gb)
 
-        r, ok, sq, first, end = take(rows), take(row_ok), take(seq), take(pos0), take(kv_end)
+        r, sq, first, end = take(tok0)[:, None] + offs, take(seq), take(pos0), take(kv_end)
         qb = q[jnp.clip(r, 0, t - 1)].astype(jnp.float32) * sm_scale
         qb = qb.reshape(gb, b, hkv, group, d)
         tbl = table[sq]  # i32[gb, width]
@@ -402,22 +438,14 @@ def _rpa_reference(
         def kv_block(c: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             acc, m, l_sum = state  # f32[gb, b, Hkv, group, d], f32[gb, b, Hkv, group] x2
             pages = lax.dynamic_slice_in_dim(tbl, c * chunk_pages, chunk_pages, axis=1)
-            k = k_rows[pages].reshape(gb, chunk, hkv, d)
-            v = v_rows[pages].reshape(gb, chunk, hkv, d)
-            logits = jnp.einsum(
-                "gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32, precision=hi
-            )
             key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            visible = (key_pos[None, None, :] <= q_pos[:, :, None])[:, :, None, None, :]
-            logits = jnp.where(visible, logits, -jnp.inf)
-            m_next = jnp.maximum(m, jnp.max(logits, axis=-1))
+            o_c, m_c, l_c = _chunk_softmax(qb, k_rows, v_rows, pages,
+                                           key_pos[None, None, :] <= q_pos[:, :, None])
+            m_next = jnp.maximum(m, m_c)  # online softmax: rescale both sides to m_next
             m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no NaN while all masked
-            alpha = jnp.exp(m - m_safe)
-            probs = jnp.exp(logits - m_safe[..., None])
-            pv = jnp.einsum(
-                "gbhjl,glhd->gbhjd", probs, v, preferred_element_type=jnp.float32, precision=hi
-            )
-            return alpha[..., None] * acc + pv, m_next, alpha * l_sum + jnp.sum(probs, axis=-1)
+            alpha, beta = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
+            return (alpha[..., None] * acc + beta[..., None] * o_c, m_next,
+                    alpha * l_sum + beta * l_c)
 
         state = (
             jnp.zeros((gb, b, hkv, group, d), jnp.float32),
@@ -426,11 +454,12 @@ def _rpa_reference(
         )
         acc, _, l_sum = lax.fori_loop(0, cdiv(jnp.max(end), chunk), kv_block, state)
         o = acc / jnp.where(l_sum == 0, 1.0, l_sum)[..., None]
-        return out.at[jnp.where(ok, r, t)].set(o.reshape(gb, b, hq, d).astype(q.dtype),
-                                               mode="drop")
+        return lax.dynamic_update_slice_in_dim(out, o.reshape(gb, b, hq, d), i * gb, 0)
 
     num_live = jnp.sum(live.astype(jnp.int32))
-    return lax.fori_loop(0, cdiv(num_live, gb), block_group, jnp.zeros_like(q))
+    blocks = lax.fori_loop(0, cdiv(num_live, gb), block_group,
+                           jnp.zeros((g_total + pad, b, hq, d), jnp.float32))
+    return _blocks_to_rows(q, blocks[:g_total], sch)
 
 
 def _rpa_reference_split_kv(
@@ -461,17 +490,13 @@ def _rpa_reference_split_kv(
     g_total = sch.seq.shape[0]
     live = sch.seq >= 0
     seq = jnp.maximum(sch.seq, 0)
-    chunk_pages = max(1, min(kv_chunk // ps, pps))
-    chunk = chunk_pages * ps
-    width = cdiv(pps, chunk_pages) * chunk_pages
-    table = jnp.pad(jnp.clip(page_indices, 0, p - 1), ((0, 0), (0, width - pps)))
+    chunk_pages, chunk, table = _chunk_table(page_indices, p, ps, kv_chunk)
     n_chunks = (jnp.where(live, sch.pos0 + sch.ntok, 0) + chunk - 1) // chunk  # i32[G]
     items_end = jnp.cumsum(n_chunks).astype(jnp.int32)  # items are block-major
     items_begin = items_end - n_chunks
     total = items_end[-1]
     offs = jnp.arange(b, dtype=jnp.int32)
     lane = jnp.arange(gw, dtype=jnp.int32)
-    hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
     k_rows, v_rows = k_pages.reshape(p, -1), v_pages.reshape(p, -1)  # see _rpa_reference
 
     def item_group(i: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -484,19 +509,9 @@ def _rpa_reference_split_kv(
         qb = qb.reshape(gw, b, hkv, group, d) * sm_scale
         q_pos = sch.pos0[blk][:, None] + offs  # i32[gw, b]
         pages = table[seq[blk][:, None], c[:, None] * chunk_pages + jnp.arange(chunk_pages)]
-        k = k_rows[pages].reshape(gw, chunk, hkv, d)
-        v = v_rows[pages].reshape(gw, chunk, hkv, d)
-        logits = jnp.einsum(
-            "gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32, precision=hi
-        )
         key_pos = c[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)  # i32[gw, chunk]
         visible = (key_pos[:, None, :] <= q_pos[:, :, None]) & (item < total)[:, None, None]
-        logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
-        m = jnp.max(logits, axis=-1)
-        probs = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
-        o = jnp.einsum(
-            "gbhjl,glhd->gbhjd", probs, v, preferred_element_type=jnp.float32, precision=hi
-        )
+        o, m, l_item = _chunk_softmax(qb, k_rows, v_rows, pages, visible)
         # Merge into the blocks blk[0] .. blk[0] + gw - 1 (block-major items span at most
         # gw blocks): first the group's items per block, then with what the block had.
         local = blk - blk[0]
@@ -505,7 +520,7 @@ def _rpa_reference_split_kv(
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         scale = jnp.exp(m - m_safe[local])
         o_sum = jax.ops.segment_sum(o * scale[..., None], local, num_segments=gw)
-        l_sum = jax.ops.segment_sum(jnp.sum(probs, axis=-1) * scale, local, num_segments=gw)
+        l_sum = jax.ops.segment_sum(l_item * scale, local, num_segments=gw)
         keep = jnp.exp(m_old - m_safe)
         a_old = lax.dynamic_slice_in_dim(acc, blk[0], gw)
         l_old = lax.dynamic_slice_in_dim(l_acc, blk[0], gw)
@@ -523,11 +538,7 @@ def _rpa_reference_split_kv(
     )
     acc, _, l_acc = lax.fori_loop(0, (total + gw - 1) // gw, item_group, state)
     o = (acc / jnp.where(l_acc == 0, 1.0, l_acc)[..., None])[:g_total]
-    tok = sch.tok0[:, None] + offs
-    ok = live[:, None] & (offs[None] < sch.ntok[:, None])
-    return jnp.zeros_like(q).at[jnp.where(ok, tok, t)].set(
-        o.reshape(g_total, b, hq, d).astype(q.dtype), mode="drop"
-    )
+    return _blocks_to_rows(q, o.reshape(g_total, b, hq, d), sch)
 
 
 def ragged_paged_attention_reference(

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -323,28 +323,21 @@ class _Generation:
                              "finish_reason": self.finish_reason, "stop_reason": None}],
                 "usage": self.usage()}
 
-    async def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[bytes]:
-        rid, n, offset = new_id("cmpl"), self._n_logprobs(), 0
-        base = {"id": rid, "object": "text_completion", "created": self.created,
+    def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[bytes]:
+        n, offset = self._n_logprobs(), 0
+
+        def choice(out: Any) -> dict[str, Any]:
+            nonlocal offset
+            lp = None
+            if n is not None and out.logprobs:
+                lp = fmt.completion_logprobs(out.new_token_ids, out.logprobs, n,
+                                             self.state.token_text, offset)
+            offset += len(out.text_delta)
+            return {"text": out.text_delta, "logprobs": lp}
+
+        base = {"id": new_id("cmpl"), "object": "text_completion", "created": self.created,
                 "model": body.model}
-        try:
-            async for out in self.outputs():
-                if out.finish_reason == "error":
-                    yield _stream_error()
-                    break
-                lp = None
-                if n is not None and out.logprobs:
-                    lp = fmt.completion_logprobs(out.new_token_ids, out.logprobs, n,
-                                                 self.state.token_text, offset)
-                offset += len(out.text_delta)
-                yield fmt.sse({**base, "choices": [{
-                    "index": 0, "text": out.text_delta, "logprobs": lp,
-                    "finish_reason": self.finish_reason if out.finished else None}]})
-            if body.include_usage_in_stream:
-                yield fmt.sse({**base, "choices": [], "usage": self.usage()})
-            yield fmt.sse("[DONE]")
-        finally:
-            self.abort() if self.finish_reason is None else self.close()
+        return self._sse(base, body.include_usage_in_stream, choice)
 
     # -- chat
     def chat_body(self, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -357,26 +350,40 @@ class _Generation:
                              "logprobs": lp, "finish_reason": self.finish_reason}],
                 "usage": self.usage()}
 
-    async def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
         n = self._n_logprobs()
+
+        def choice(out: Any) -> dict[str, Any]:
+            lp = None
+            if n is not None and out.logprobs:
+                lp = {"content": fmt.chat_logprobs(out.new_token_ids, out.logprobs, n,
+                                                   self.state.token_text)}
+            return {"delta": {"content": out.text_delta}, "logprobs": lp}
+
         base = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk",
                 "created": self.created, "model": body.model}
+        opening = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        return self._sse(base, body.include_usage_in_stream, choice, opening)
+
+    # -- streaming, shared by both routes
+    async def _sse(self, base: dict[str, Any], include_usage: bool,
+                   choice: Callable[[Any], dict[str, Any]],
+                   opening: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+        """SSE chunks: ``opening``, one per engine output (``choice`` gives its fields),
+        the usage chunk when asked for, ``[DONE]``; an engine failure ends the stream with
+        an error event. Aborts the request if the client goes away before it finishes."""
         try:
-            yield fmt.sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                      "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+            if opening is not None:
+                yield fmt.sse(opening)
             async for out in self.outputs():
                 if out.finish_reason == "error":
                     yield _stream_error()
                     break
-                lp = None
-                if n is not None and out.logprobs:
-                    lp = {"content": fmt.chat_logprobs(out.new_token_ids, out.logprobs, n,
-                                                       self.state.token_text)}
                 yield fmt.sse({**base, "choices": [{
-                    "index": 0, "delta": {"content": out.text_delta}, "logprobs": lp,
+                    "index": 0, **choice(out),
                     "finish_reason": self.finish_reason if out.finished else None}]})
-            if body.include_usage_in_stream:
+            if include_usage:
                 yield fmt.sse({**base, "choices": [], "usage": self.usage()})
             yield fmt.sse("[DONE]")
         finally:
