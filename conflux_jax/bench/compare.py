@@ -175,6 +175,23 @@ def _peer_run(prompts: list[list[int]], max_tokens: int) -> tuple[list[RequestRe
     return _PEER.run(prompts, max_tokens)
 
 
+_BOUND_WEIGHTS: Any = None  # (config, params on device), loaded once
+
+
+def _bound(model: str, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
+    """The dense-layer bound of one row."""
+    global _BOUND_WEIGHTS
+    import jax
+
+    from conflux_jax.bench.dense_bound import dense_bound
+    from conflux_jax.checkpoints import load_checkpoint
+
+    if _BOUND_WEIGHTS is None:
+        ckpt = load_checkpoint(model)
+        _BOUND_WEIGHTS = ckpt.config, jax.device_put(ckpt.params)
+    return dense_bound(*_BOUND_WEIGHTS, concurrency, prompt_len, max_tokens).as_dict()
+
+
 # ---- main ------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m conflux_jax.bench compare",
@@ -192,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", help="our engine's mesh, e.g. 'sp=4,tp=1' (simulated CPU devices "
                                    "are created to match); default: every visible device")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bound", action="store_true",
+                    help="skip the dense-layer bound (see conflux_jax.bench.dense_bound)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -244,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for peer in peers:
         peer.close()
+    if not args.url and not args.no_bound:
+        for row in tqdm(rows, desc="dense bound"):
+            row["dense_bound"] = _bound(args.model, row["concurrency"], args.prompt_len,
+                                        args.max_tokens)
     print(f"ours: {ours_label}; model {args.model}; prompt {args.prompt_len} tokens, "
           f"{args.max_tokens} output tokens (ignore_eos, greedy), all requests sent at once; "
           f"best of {args.repeats} interleaved runs")
@@ -266,7 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':>4} {peer.name:<10} {p['tokens_per_s']:>10.1f} {p['ttft_ms']:>9.0f} "
                   f"{p['tbt_ms']:>8.1f}   {r['tokens_per_s']:>10.2f}x {r['ttft']:>9.2f}x "
                   f"{r['tbt']:>8.2f}x")
+        if "dense_bound" in row:
+            b = row["dense_bound"]
+            of = "   ".join(f"{b['tokens_per_s'] / row[p.name]['tokens_per_s']:.2f}x {p.name}"
+                           for p in peers)
+            print(f"{'':>4} {'bound':<10} {b['tokens_per_s']:>10.1f} {'':>9} "
+                  f"{1e3 * b['decode_step_s']:>8.1f}   = {of}")
     print("ratios: ours over peer for tok/s, peer over ours for TTFT/TBT (>1 = ours better)")
+    if any("dense_bound" in row for row in rows):
+        print("bound: the dense layers and LM head alone (no attention, KV, sampling or host "
+              "work), the most any engine can reach here; beside it, bound over peer tok/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 
 def _random_plan(ex, rng: np.random.Generator, kind: str, max_ctx: int, max_chunk: int,
@@ -71,10 +69,15 @@ def _measure(ex, plan, repeats: int, statistic: str = "min") -> float:
     a shared machine) or their ``median``."""
     ex.run(plan)  # first run may compile
     times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        ex.run(plan)
-        times.append(time.perf_counter() - t)
+    gc.collect()  # a collection inside a timed repeat is the interpreter's, not the step's
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            ex.run(plan)
+            times.append(time.perf_counter() - t)
+    finally:
+        gc.enable()
     return min(times) if statistic == "min" else statistics.median(times)
 
 
@@ -89,6 +92,9 @@ def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx:
     kinds = ["decode", "prefill", "mixed"]
     jobs = [("train", kinds[i % 3]) for i in range(num_train)] + \
         [("test", "mixed" if i % 2 else kinds[i % 3]) for i in range(num_test)]
+    # Measure in random order: a machine whose speed drifts over the run would otherwise
+    # time every held-out batch later than every training batch, and bias the MAPE.
+    jobs = [jobs[i] for i in rng.permutation(len(jobs))]
     samples: dict[str, list] = {"train": [], "test": []}
     for split, kind in tqdm(jobs, desc="profiling", disable=not progress):
         plan, kv_lens = _random_plan(ex, rng, kind, max_ctx, max_chunk, max_decodes, vocab)
@@ -101,25 +107,34 @@ def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx:
     return samples["train"], samples["test"]
 
 
-def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
-    """Time the real executor; returns (train, test, the setup the fit needs)."""
+PROFILE_BUCKETS = dict(tokens=(16, 64, 256), decode=(16,), max_prefill_seqs=2)
+
+
+def build_executor(model: str, mesh: str, max_context: int):
+    """The warmed-up executor the profile times (also used by ``bench/timing_noise.py``)."""
     from conflux_jax.checkpoints import load_checkpoint
     from conflux_jax.executor.buckets import BucketConfig
     from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
 
-    ckpt = load_checkpoint(args.model)
-    buckets = BucketConfig(tokens=(16, 64, 256), decode=(16,), max_prefill_seqs=2)
-    ec = ExecutorConfig(mesh=args.mesh, page_size=16, num_pages=512,
-                        max_model_len=args.max_context + 16, buckets=buckets)
+    ckpt = load_checkpoint(model)
+    ec = ExecutorConfig(mesh=mesh, page_size=16, num_pages=512,
+                        max_model_len=max_context + 16,
+                        buckets=BucketConfig(**PROFILE_BUCKETS))
     ex = JaxExecutor(ckpt.config, ckpt.params, ec, sequences={})
     ex.warmup()
+    return ex
+
+
+def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
+    """Time the real executor; returns (train, test, the setup the fit needs)."""
+    ex = build_executor(args.model, args.mesh, args.max_context)
     train, test = profile(ex, args.train, args.test, args.repeats, args.seed,
                           args.max_context, args.max_chunk, args.max_decodes,
                           statistic=args.statistic)
     mesh = ex.mesh_spec
     return train, test, {
-        "num_layers": ckpt.config.num_layers, "sp": mesh.sp, "tp": mesh.tp,
-        "mesh": args.mesh, "token_buckets": list(buckets.tokens),
+        "num_layers": ex.model_config.num_layers, "sp": mesh.sp, "tp": mesh.tp,
+        "mesh": args.mesh, "token_buckets": list(ex.exec_config.buckets.tokens),
         "repeats": args.repeats, "statistic": args.statistic,
         # Simulated CPU devices time-share the host's cores (see latency.py).
         "shared_cores": ex.mesh.devices.flat[0].platform == "cpu" and ex.num_ranks > 1}
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the real executor and fit (the only mode so far)")
     parser.add_argument("--model", default="default")
     parser.add_argument("--mesh", default="sp=4,tp=1")
-    parser.add_argument("--train", type=int, default=90)
+    parser.add_argument("--train", type=int, default=150)
     parser.add_argument("--test", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--statistic", choices=["min", "median"], default="min",
@@ -173,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.profile and not args.from_samples:
         parser.error("nothing to do: pass --profile or --from-samples JSON")
 
+    from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
     from conflux_jax.scheduler.latency import coeffs_path, fit, mape, profile_name
 
+    simulate_cpu_devices(devices_named_by(args.mesh, 4))  # as the server runs this mesh
     if args.from_samples:
         train, test, setup = _load_samples(Path(args.from_samples))
     else:

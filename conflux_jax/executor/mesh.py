@@ -64,8 +64,18 @@ def devices_named_by(mesh: str | None, default: int) -> int:
 
 
 def simulate_cpu_devices(count: int = 4) -> None:
-    """Ask XLA for ``count`` host devices; only effective before jax initialises."""
-    flag = f"--xla_force_host_platform_device_count={count}"
+    """Ask XLA for ``count`` host devices; only effective before jax initialises.
+
+    Several simulated devices also get one compute thread each: they already time-share
+    the host's cores, and a thread pool per device would put several threads on each core.
+    Steps run as fast either way (``bench/timing_noise.py``), and the shipped ``sp=4``
+    latency fit was timed like this, so the server runs like this too. XLA_FLAGS that
+    already name a device count are left as they are.
+    """
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    if "xla_force_host_platform_device_count" in flags:
+        return
+    new = [f"--xla_force_host_platform_device_count={count}"]
+    if count > 1 and "xla_cpu_multi_thread_eigen" not in flags:
+        new.append("--xla_cpu_multi_thread_eigen=false")
+    os.environ["XLA_FLAGS"] = " ".join([flags, *new]).strip()

@@ -27,5 +27,9 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
     for row in d["rows"]:
         assert row["ours"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0
         assert row["ratio_vs_hf"]["tokens_per_s"] > 0
+        b = row["dense_bound"]  # the dense layers alone bound every engine, ours included
+        assert b["decode_s"] == pytest.approx(2 * b["decode_step_s"])
+        assert b["tokens_per_s"] == pytest.approx(
+            row["concurrency"] * 3 / (b["prefill_s"] + b["decode_s"]))
     text = capsys.readouterr().out
-    assert "ratio tok/s" in text and "hf" in text
+    assert "ratio tok/s" in text and "hf" in text and "bound" in text
