@@ -27,7 +27,7 @@ except ImportError:  # run as a script from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Importing jax does not start its backend: the device flags below still take effect.
-from conflux_jax.bench.estimator import _measure, _random_plan, build_executor
+from conflux_jax.bench.estimator import _measure, _random_plan, _release, build_executor
 from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 
 
@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                      "range_pct": 100 * (max(times) - min(times)) / mean})
         print(f"{kind:<8} mean {mean:6.3f} s   cv {rows[-1]['cv_pct']:4.1f}%   "
               f"range {rows[-1]['range_pct']:4.1f}%", flush=True)
-        for rid in {*(p.request_id for p in plan.prefill), *(d.request_id for d in plan.decode)}:
-            ex.block_manager.free(rid)
-            del ex.sequences[rid]
+        _release(ex, plan)
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if args.json:
         args.json.write_text(json.dumps({"mesh": args.mesh, "trials": args.trials,

@@ -65,45 +65,69 @@ def _random_plan(ex, rng: np.random.Generator, kind: str, max_ctx: int, max_chun
 
 
 def _measure(ex, plan, repeats: int, statistic: str = "min") -> float:
-    """Seconds of one iteration: the fastest repeat (``min``, the least-disturbed run on
-    a shared machine) or their ``median``."""
+    """Seconds of one iteration, ``repeats`` back-to-back runs: the fastest (``min``, the
+    least-disturbed run on a shared machine) or their ``median``."""
     ex.run(plan)  # first run may compile
-    times = []
-    gc.collect()  # a collection inside a timed repeat is the interpreter's, not the step's
+    return _reduce([_timed(ex, plan) for _ in range(repeats)], statistic)
+
+
+def _timed(ex, plan) -> float:
+    gc.collect()  # a collection inside a timed run is the interpreter's, not the step's
     gc.disable()
     try:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            ex.run(plan)
-            times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ex.run(plan)
+        return time.perf_counter() - t
     finally:
         gc.enable()
+
+
+def _reduce(times: list[float], statistic: str) -> float:
     return min(times) if statistic == "min" else statistics.median(times)
+
+
+def _release(ex, plan) -> None:
+    for rid in {*(p.request_id for p in plan.prefill), *(d.request_id for d in plan.decode)}:
+        ex.block_manager.free(rid)
+        del ex.sequences[rid]
 
 
 def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx: int,
             max_chunk: int, max_decodes: int, progress: bool = True, statistic: str = "min"):
+    """Time ``num_train + num_test`` random batches, ``repeats`` times each, in rounds.
+
+    Batches are timed in random order (a machine whose speed drifts would otherwise time
+    every held-out batch after every training batch and bias the MAPE), and a batch's
+    repeats are spread over the run, one per round (back-to-back repeats all fall into
+    the same slow phase of a shared machine; across rounds the fastest escapes it). Each
+    batch is drawn from its own seed, so every round re-creates it exactly.
+    """
     from tqdm.auto import tqdm
 
     from conflux_jax.scheduler.latency import BatchShape, ProfileSample
 
-    rng = np.random.default_rng(seed)
     vocab = ex.model_config.vocab_size
     kinds = ["decode", "prefill", "mixed"]
     jobs = [("train", kinds[i % 3]) for i in range(num_train)] + \
         [("test", "mixed" if i % 2 else kinds[i % 3]) for i in range(num_test)]
-    # Measure in random order: a machine whose speed drifts over the run would otherwise
-    # time every held-out batch later than every training batch, and bias the MAPE.
-    jobs = [jobs[i] for i in rng.permutation(len(jobs))]
+    jobs = [jobs[i] for i in np.random.default_rng(seed).permutation(len(jobs))]
+    times: list[list[float]] = [[] for _ in jobs]
+    shapes: list = [None] * len(jobs)
+    bar = tqdm(total=repeats * len(jobs), desc="profiling", disable=not progress)
+    for rnd in range(repeats):
+        for j, (_, kind) in enumerate(jobs):
+            plan, kv_lens = _random_plan(ex, np.random.default_rng([seed, j]), kind, max_ctx,
+                                         max_chunk, max_decodes, vocab)
+            if rnd == 0:
+                ex.run(plan)  # first run may compile
+                shapes[j] = BatchShape.from_plan(plan, kv_lens, ex.num_ranks)
+            times[j].append(_timed(ex, plan))
+            _release(ex, plan)
+            bar.update()
+    bar.close()
     samples: dict[str, list] = {"train": [], "test": []}
-    for split, kind in tqdm(jobs, desc="profiling", disable=not progress):
-        plan, kv_lens = _random_plan(ex, rng, kind, max_ctx, max_chunk, max_decodes, vocab)
-        seconds = _measure(ex, plan, repeats, statistic)
-        shape = BatchShape.from_plan(plan, kv_lens, ex.num_ranks)
-        samples[split].append(ProfileSample(shape, seconds))
-        for rid in {*(p.request_id for p in plan.prefill), *(d.request_id for d in plan.decode)}:
-            ex.block_manager.free(rid)
-            del ex.sequences[rid]
+    for (split, _), shape, ts in zip(jobs, shapes, times, strict=True):
+        samples[split].append(ProfileSample(shape, _reduce(ts, statistic)))
     return samples["train"], samples["test"]
 
 
@@ -136,6 +160,7 @@ def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
         "num_layers": ex.model_config.num_layers, "sp": mesh.sp, "tp": mesh.tp,
         "mesh": args.mesh, "token_buckets": list(ex.exec_config.buckets.tokens),
         "repeats": args.repeats, "statistic": args.statistic,
+        "timing": "shuffled order, one repeat per batch per round",
         # Simulated CPU devices time-share the host's cores (see latency.py).
         "shared_cores": ex.mesh.devices.flat[0].platform == "cpu" and ex.num_ranks > 1}
 
@@ -171,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="sp=4,tp=1")
     parser.add_argument("--train", type=int, default=150)
     parser.add_argument("--test", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per batch, one per round over all batches")
     parser.add_argument("--statistic", choices=["min", "median"], default="min",
                         help="per batch: the fastest repeat (least disturbed) or the median")
     parser.add_argument("--max-context", type=int, default=1024)
