@@ -3,11 +3,10 @@
     python bench/timing_noise.py [--mesh sp=4,tp=1] [--batches 6] [--trials 8] [--json PATH]
 
 Builds the executor exactly as ``python -m conflux_jax.bench estimator --profile`` does,
-draws random decode, prefill and mixed batches, and times each one ``--trials`` times with
-the estimator's own measurement (fastest of 5 runs). Prints, per batch, the coefficient
-of variation and the spread of those figures: the floor under any fit's MAPE. Compare
-XLA settings by setting XLA_FLAGS yourself (it then wins over the simulated-device
-defaults).
+draws random decode, prefill and mixed batches, and times each one ``--trials`` times, each
+time the fastest of 5 back-to-back runs. Prints, per batch, the coefficient of variation
+and the spread of those figures: the floor under any fit's MAPE. Compare XLA settings by
+setting XLA_FLAGS yourself (it then wins over the simulated-device defaults).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ except ImportError:  # run as a script from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Importing jax does not start its backend: the device flags below still take effect.
-from conflux_jax.bench.estimator import _measure, _random_plan, _release, build_executor
+from conflux_jax.bench.estimator import _random_plan, _release, _timed, build_executor
 from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 
 
@@ -47,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.batches):
         kind = ("decode", "prefill", "mixed")[i % 3]
         plan, _ = _random_plan(ex, rng, kind, 768, 128, 8, ex.model_config.vocab_size)
-        times = [_measure(ex, plan, 5) for _ in range(args.trials)]
+        ex.run(plan)  # first run may compile
+        times = [min(_timed(ex, plan) for _ in range(5)) for _ in range(args.trials)]
         mean = statistics.fmean(times)
         rows.append({"kind": kind, "mean_s": mean,
                      "cv_pct": 100 * statistics.pstdev(times) / mean,

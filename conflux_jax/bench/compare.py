@@ -175,23 +175,6 @@ def _peer_run(prompts: list[list[int]], max_tokens: int) -> tuple[list[RequestRe
     return _PEER.run(prompts, max_tokens)
 
 
-_BOUND_WEIGHTS: Any = None  # (config, params on device), loaded once
-
-
-def _bound(model: str, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
-    """The dense-layer bound of one row."""
-    global _BOUND_WEIGHTS
-    import jax
-
-    from conflux_jax.bench.dense_bound import dense_bound
-    from conflux_jax.checkpoints import load_checkpoint
-
-    if _BOUND_WEIGHTS is None:
-        ckpt = load_checkpoint(model)
-        _BOUND_WEIGHTS = ckpt.config, jax.device_put(ckpt.params)
-    return dense_bound(*_BOUND_WEIGHTS, concurrency, prompt_len, max_tokens).as_dict()
-
-
 # ---- main ------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m conflux_jax.bench compare",
@@ -264,9 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     for peer in peers:
         peer.close()
     if not args.url and not args.no_bound:
+        import jax
+
+        from conflux_jax.bench.dense_bound import dense_bound
+        from conflux_jax.checkpoints import load_checkpoint
+
+        ckpt = load_checkpoint(args.model)
+        params = jax.device_put(ckpt.params)
         for row in tqdm(rows, desc="dense bound"):
-            row["dense_bound"] = _bound(args.model, row["concurrency"], args.prompt_len,
-                                        args.max_tokens)
+            row["dense_bound"] = dense_bound(ckpt.config, params, row["concurrency"],
+                                             args.prompt_len, args.max_tokens).as_dict()
     print(f"ours: {ours_label}; model {args.model}; prompt {args.prompt_len} tokens, "
           f"{args.max_tokens} output tokens (ignore_eos, greedy), all requests sent at once; "
           f"best of {args.repeats} interleaved runs")

@@ -11,7 +11,6 @@ the peers it measures in the same run.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import jax
@@ -62,12 +61,13 @@ def dense_seconds(config: ModelConfig, params: Params, rows: int, lm_head: bool,
         (rows, config.hidden_size)), jnp.float32)
     positions = jnp.arange(rows, dtype=jnp.int32)
     fn(params, x, positions).block_until_ready()  # compile
-    best = math.inf
-    for _ in range(repeats):
+
+    def once() -> float:
         t = time.perf_counter()
         fn(params, x, positions).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return best
+        return time.perf_counter() - t
+
+    return min(once() for _ in range(repeats))
 
 
 def dense_bound(config: ModelConfig, params: Params, concurrency: int, prompt_len: int,

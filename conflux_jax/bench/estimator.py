@@ -64,14 +64,8 @@ def _random_plan(ex, rng: np.random.Generator, kind: str, max_ctx: int, max_chun
     return IterationPlan(tuple(pieces), tuple(slots), 0.0), kv_lens
 
 
-def _measure(ex, plan, repeats: int, statistic: str = "min") -> float:
-    """Seconds of one iteration, ``repeats`` back-to-back runs: the fastest (``min``, the
-    least-disturbed run on a shared machine) or their ``median``."""
-    ex.run(plan)  # first run may compile
-    return _reduce([_timed(ex, plan) for _ in range(repeats)], statistic)
-
-
 def _timed(ex, plan) -> float:
+    """Seconds of one run of ``plan``."""
     gc.collect()  # a collection inside a timed run is the interpreter's, not the step's
     gc.disable()
     try:

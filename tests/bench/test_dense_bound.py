@@ -5,17 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import TINY_LLAMA
 
 from conflux_jax.bench import dense_bound as db
-from conflux_jax.config import ModelConfig
 from conflux_jax.models.decoder import Decoder, random_params
-
-
-def _tiny() -> tuple[ModelConfig, dict]:
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32,
-                      intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    return cfg, random_params(cfg, seed=0)
 
 
 @pytest.mark.parametrize(("c", "prompt_len", "prefill_steps", "step", "decode_rows"), [
@@ -38,7 +31,7 @@ def test_bound_prices_prefill_steps_and_decode_steps(monkeypatch, c, prompt_len,
         return 0.01 if (rows == c) != padded_is_faster else 0.02
 
     monkeypatch.setattr(db, "dense_seconds", fake_seconds)
-    b = db.dense_bound(*_tiny(), c, prompt_len, max_tokens=9)
+    b = db.dense_bound(TINY_LLAMA, random_params(TINY_LLAMA), c, prompt_len, max_tokens=9)
     assert calls == [(step, False)] + [(r, True) for r in decode_rows]
     step_s = 0.01 if len(decode_rows) > 1 or not padded_is_faster else 0.02
     assert b.decode_step_s == pytest.approx(step_s)  # the faster of the row counts
@@ -48,10 +41,11 @@ def test_bound_prices_prefill_steps_and_decode_steps(monkeypatch, c, prompt_len,
 
 
 def test_dense_fn_is_the_model_with_attention_as_identity():
-    cfg, params = _tiny()
+    cfg, params = TINY_LLAMA, random_params(TINY_LLAMA, seed=0)
     model = Decoder.from_params(cfg, params)
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 32)), jnp.float32)
-    pos = jnp.arange(5, dtype=jnp.int32)
+    t, dim = 5, cfg.hidden_size
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((t, dim)), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)
     got = db._dense_fn(cfg, lm_head=True)(params, x, pos)
     # Oracle: the same blocks written out from the weights, attention output = q.
     w = {k: np.asarray(v) for k, v in model.layers.stacked().items()}
@@ -69,10 +63,10 @@ def test_dense_fn_is_the_model_with_attention_as_identity():
         return q * cos[:, None] + rot * sin[:, None]
 
     h = np.asarray(x, np.float64)
-    for i in range(2):
+    for i in range(cfg.num_layers):
         a = norm(h, w["attn_norm"][i])
-        q = rope((a @ w["wq"][i]).reshape(5, 4, 8))
-        h = h + q.reshape(5, 32) @ w["wo"][i]
+        q = rope((a @ w["wq"][i]).reshape(t, cfg.num_heads, cfg.head_dim))
+        h = h + q.reshape(t, -1) @ w["wo"][i]
         m = norm(h, w["mlp_norm"][i])
         gate = m @ w["w_gate"][i]
         h = h + (gate / (1 + np.exp(-gate)) * (m @ w["w_up"][i])) @ w["w_down"][i]
