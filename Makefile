@@ -1,6 +1,7 @@
 # Quick start: `make serve` and `make test` (README.md); `make generate` chats once.
 PY := .venv/bin/python
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
+# No XLA_FLAGS here: the tests ask for their 4 simulated devices themselves
+# (tests/conftest.py), and the server picks its own (one on CPU, or what --mesh names).
 
 .PHONY: setup setup-test generate serve test lint
 
