@@ -7,6 +7,7 @@ import httpx
 import jax
 import pytest
 import tokenizers
+from shared_data import needs_traces
 from tiny_models import TINY_LLAMA
 
 import conflux_jax.bench.serve as serve
@@ -82,6 +83,7 @@ def test_sweep_bisects_to_goodput() -> None:
 
 
 @needs4
+@needs_traces
 def test_serve_cli_in_process_on_conversation_trace(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(serve, "engine_from_model", tiny_engine)
     out = tmp_path / "s.json"

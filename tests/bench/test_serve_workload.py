@@ -1,6 +1,7 @@
 """Serving workloads: shared hash ids -> shared prefixes, scaling, rate, toolagent shape."""
 
 import numpy as np
+from shared_data import needs_traces
 
 from conflux_jax.bench.serve_workload import LengthScaling, Row, at_rate, load_rows, synthesize
 from conflux_jax.bench.workloads import TOOLAGENT_OUTPUT, TOOLAGENT_PROMPT, toolagent_like
@@ -27,11 +28,13 @@ def test_at_rate_scales_mean_rate_and_subsamples() -> None:
     assert abs(40 / out[-1].arrival_s - 4.0) < 1e-9
 
 
+@needs_traces
 def test_conversation_trace_rows_have_hash_ids() -> None:
     rows = load_rows("conversation", 10)
     assert len(rows) > 10_000 and rows[0].hash_ids
 
 
+@needs_traces
 def test_toolagent_like_shapes_match_table3() -> None:
     for shape in ("mooncake", "lognormal"):
         base = toolagent_like(4000, seed=1, shape=shape)
