@@ -3,9 +3,9 @@
 The same random token-id prompts go to (a) our in-process engine (or a server with
 ``--url``), all ``c`` requests at once, and (b) HF transformers' batched ``generate``
 (left-padded, greedy, ``min_new_tokens`` = ``max_new_tokens`` so both emit the same
-count), and (c) llama.cpp through ``llama-cpp-python`` when it is installed (one
-sequence at a time: its high-level API does not batch); each peer runs in its own
-process. For each concurrency ``c``:
+count), and (c) llama.cpp through ``llama-cpp-python`` when it is installed (all
+requests batched as ``llama-server``'s parallel slots would be, on the GGUF's own Q4_1
+weights); each peer runs in its own process. For each concurrency ``c``:
 output tokens/s, mean TTFT and mean TBT (gap between a request's tokens), and our
 ratio to each peer (tokens/s: ours/peer, higher is better; TTFT/TBT: peer/ours, higher
 is better). Every number is measured in this run on this machine; nothing is quoted.
@@ -105,30 +105,97 @@ class HFPeer:
 
 
 class LlamaCppPeer:
-    """llama.cpp via llama-cpp-python, sequentially (no batching in its Python API)."""
+    """llama.cpp through llama-cpp-python's C API, batched the way ``llama-server``
+    serves parallel slots: one KV sequence per request, and every ``llama_decode`` call
+    carries each generating request's next token plus as many prompt tokens as fit in
+    ``n_batch`` (continuous batching). Greedy argmax over the returned logits.
+
+    Its weights are the GGUF's own (Q4_1 matrices, Q8_0 embeddings): llama.cpp's native
+    format, not the fp32 our engine and HF run.
+    """
 
     name = "llama.cpp"
 
-    def __init__(self, model: str, threads: int | None = None) -> None:
+    def __init__(self, model: str, threads: int | None = None, n_batch: int = 512) -> None:
         import llama_cpp
 
         if model != "default":
             raise ValueError("llama.cpp peer: only the default (GGUF) model")
         from conflux_jax.checkpoints import default_gguf_path
 
-        self.llm = llama_cpp.Llama(str(default_gguf_path()), n_ctx=2048, verbose=False,
-                                   n_threads=threads or None)
+        self.lib = lib = llama_cpp
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(
+            str(default_gguf_path()).encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise ValueError("llama.cpp could not load the default GGUF")
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.threads, self.n_batch = threads, n_batch
+        self.ctx: Any = None
+        self.ctx_key: tuple[int, int] | None = None
+        self.outputs: list[list[int]] = []  # the last run's sampled ids, per request
+
+    def _context(self, seqs: int, per_seq: int) -> Any:  # noqa: ANN401
+        """A context with ``seqs`` KV sequences of ``per_seq`` tokens each (reused while
+        the sizes match; its KV is cleared for every run)."""
+        lib = self.lib
+        if self.ctx_key != (seqs, per_seq):
+            if self.ctx is not None:
+                lib.llama_free(self.ctx)
+            p = lib.llama_context_default_params()
+            p.n_ctx, p.n_seq_max = seqs * per_seq, seqs
+            p.n_batch = p.n_ubatch = self.n_batch
+            if self.threads:
+                p.n_threads = p.n_threads_batch = self.threads
+            self.ctx, self.ctx_key = lib.llama_init_from_model(self.model, p), (seqs, per_seq)
+            if not self.ctx:
+                raise RuntimeError("llama.cpp could not create a context")
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        return self.ctx
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[RequestResult], float]:
+        import numpy as np
+
+        lib = self.lib
+        per_seq = -(-(max(len(p) for p in prompts) + max_tokens) // 256) * 256
+        ctx = self._context(len(prompts), per_seq)
+        batch = lib.llama_batch_init(self.n_batch + len(prompts), 0, 1)
         results = [RequestResult(0.0, len(p)) for p in prompts]
+        fed = [0] * len(prompts)  # prompt tokens already decoded, per request
+        last: list[int | None] = [None] * len(prompts)  # newest sampled token
+        self.outputs = [[] for _ in prompts]  # the sampled ids, per request
         t0 = time.perf_counter()
-        for p, r in zip(prompts, results, strict=True):
-            r.send_s = t0  # all "sent" at once: queueing counts toward TTFT, as for ours
-            self.llm.reset()
-            for _ in self.llm.generate(p, temp=0.0, top_k=1):
-                r.token_times.append(time.perf_counter())
-                if len(r.token_times) >= max_tokens:
-                    break
+        for r in results:
+            r.send_s = t0  # all sent at once, as for ours
+        try:
+            while any(len(r.token_times) < max_tokens for r in results):
+                rows: list[tuple[int, int, int, bool]] = []  # (seq, token, position, sample)
+                for s, r in enumerate(results):  # decode tokens first, as llama-server
+                    if last[s] is not None and len(r.token_times) < max_tokens:
+                        rows.append((s, last[s], len(prompts[s]) + len(r.token_times) - 1,
+                                     True))
+                for s, p in enumerate(prompts):  # then prompt tokens while they fit
+                    take = max(0, min(len(p) - fed[s], self.n_batch - len(rows)))
+                    rows += [(s, p[i], i, i == len(p) - 1) for i in range(fed[s], fed[s] + take)]
+                    fed[s] += take
+                for n, (s, token, pos, want) in enumerate(rows):
+                    batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
+                    batch.seq_id[n][0], batch.logits[n] = s, want
+                batch.n_tokens = len(rows)
+                if lib.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+                now = time.perf_counter()
+                for row, (s, *_, want) in enumerate(rows):
+                    if not want:
+                        continue
+                    logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, row),
+                                                   shape=(self.vocab,))
+                    last[s] = int(np.argmax(logits))
+                    self.outputs[s].append(last[s])
+                    results[s].token_times.append(now)
+        finally:
+            lib.llama_batch_free(batch)
+        for r in results:
             r.output_len, r.success = len(r.token_times), True
         return results, time.perf_counter() - t0
 

@@ -33,3 +33,21 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
             row["concurrency"] * 3 / (b["prefill_s"] + b["decode_s"]))
     text = capsys.readouterr().out
     assert "ratio tok/s" in text and "hf" in text and "bound" in text
+
+
+def test_llama_cpp_peer_batches_like_solo_runs() -> None:
+    """The llama.cpp peer serves all requests as one continuous batch (one KV sequence
+    each): every request must get the same greedy tokens as when it runs alone, and its
+    first token before any later one. Needs the optional ``peers`` extra."""
+    pytest.importorskip("llama_cpp")
+    from conflux_jax.bench.compare import LlamaCppPeer, make_prompts
+
+    peer = LlamaCppPeer("default", n_batch=48)  # < the prompts' 3 x 20: prefill spans calls
+    prompts = make_prompts(3, 20, peer.vocab, seed=1)
+    results, wall = peer.run(prompts, 6)
+    batched = peer.outputs
+    assert [r.output_len for r in results] == [6, 6, 6] and wall > 0
+    assert all(r.token_times == sorted(r.token_times) for r in results)
+    for prompt, together in zip(prompts, batched, strict=True):
+        peer.run([prompt], 6)
+        assert peer.outputs[0] == together

@@ -1,0 +1,161 @@
+"""Where a serving step's time goes: the same step compiled with parts of it taken out.
+
+    python bench/step_breakdown.py [--concurrency 16] [--json PATH]
+
+Runs ``bench compare``'s two workloads through the in-process engine (default model, one
+host device) and keeps one real step of each: a decode step of every request (decode-heavy
+workload, 32-token prompts, late in the run) and a full prefill chunk co-batched with
+decodes (prefill-heavy, 128-token prompts). Each is then compiled again with parts of the
+step replaced, and timed on the same arrays (fastest of ``--repeats``):
+
+- ``no attention``: both attention calls return their queries (the linears still run);
+- ``no KV write``: the K/V scatters into the pool are skipped;
+- ``neither``: both.
+
+Beside them, the dense layers alone on as many rows, with the LM head when every row
+samples (``conflux_jax.bench.dense_bound``). The differences say what attention and the KV writes
+cost inside the real step; what remains over the dense figure is sampling, the buffer
+gathers and scatters around attention, and the step's fixed work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import conflux_jax  # noqa: F401
+except ImportError:  # run as a script from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+from jax.sharding import NamedSharding
+
+import conflux_jax.executor.step as step_module
+from conflux_jax.bench.compare import make_prompts
+from conflux_jax.bench.dense_bound import dense_seconds
+from conflux_jax.bench.serve import engine_from_model, run_engine
+from conflux_jax.bench.serve_workload import ServeRequest
+from conflux_jax.checkpoints import load_checkpoint
+from conflux_jax.executor.batch import StepBatch
+
+
+def capture(engine: Any, prompt_len: int, max_tokens: int, concurrency: int,  # noqa: ANN401
+            want: Any) -> tuple[Any, dict[str, np.ndarray]]:  # noqa: ANN401
+    """Run the workload once and return the last step (shape, host arrays) that ``want``
+    accepts."""
+    ex = engine.executor
+    kept: list[tuple[Any, dict[str, np.ndarray]]] = []
+    build = ex.build_batch
+
+    def spy(plan: Any) -> Any:  # noqa: ANN401
+        shape, arrays, rows = build(plan)
+        if want(plan):
+            kept.append((shape, {k: v.copy() for k, v in arrays.items()}))
+        return shape, arrays, rows
+
+    ex.build_batch = spy
+    try:
+        prompts = make_prompts(concurrency, prompt_len, engine.model_config.vocab_size, 0)
+        run_engine(engine, [ServeRequest(0.0, p, max_tokens) for p in prompts])
+    finally:
+        ex.build_batch = build
+    if not kept:
+        raise RuntimeError("the workload produced no step of the wanted kind")
+    return kept[-1]
+
+
+@contextlib.contextmanager
+def without(attention: bool, kv_write: bool) -> Iterator[None]:
+    """Build steps with attention (returns q) and/or the KV scatters (pool unchanged)
+    taken out."""
+    saved = step_module.ragged_paged_attention, step_module._write_stacked
+    if attention:
+        step_module.ragged_paged_attention = lambda q, *a, **k: q
+    if kv_write:
+        step_module._write_stacked = lambda pool, *a: pool
+    try:
+        yield
+    finally:
+        step_module.ragged_paged_attention, step_module._write_stacked = saved
+
+
+def time_step(ex: Any, shape: Any, arrays: dict[str, np.ndarray], repeats: int) -> float:  # noqa: ANN401
+    """Fastest of ``repeats`` runs of a freshly built and compiled step on ``arrays``."""
+    step = step_module.build_step(ex.step_config, ex.mesh, ex._param_specs)
+    compiled = step.lower(*ex._abstract_args(shape)).compile()
+    specs = step_module.batch_specs()
+    batch = StepBatch(**{k: jax.device_put(v, NamedSharding(ex.mesh, getattr(specs, k)))
+                         for k, v in arrays.items()})
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run is a warm-up
+        start = time.perf_counter()
+        ex.k_pool, ex.v_pool, tokens, *_ = compiled(ex.params, ex.k_pool, ex.v_pool, batch)
+        tokens.block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    c = args.concurrency
+    engine = engine_from_model("default", 512, "conflux", 60.0, 10.0)
+    ex = engine.executor
+    steps = {
+        # Mid-run: the requests' contexts are ~100 tokens (32 prompt + ~70 generated).
+        "decode": capture(engine, 32, 128, c, lambda plan: not plan.prefill and len(
+            plan.decode) == c and min(len(engine.executor.sequences[d.request_id].token_ids)
+                                      for d in plan.decode) <= 100),
+        "prefill+decode": capture(engine, 128, 32, c, lambda plan: plan.prefill and sum(
+            p.length for p in plan.prefill) >= 200 and plan.decode),
+    }
+    ckpt = load_checkpoint("default")
+    params = jax.device_put(ckpt.params)
+    report: dict[str, dict[str, Any]] = {}
+    for name, (shape, arrays) in steps.items():
+        prefill = int(arrays["prefill_cu_q_lens"][-1])
+        live = prefill + int(arrays["num_decode"].sum())
+        row: dict[str, Any] = {"shape": str(shape), "live_tokens": live}
+        dense = "dense layers + LM head" if not prefill else "dense layers"
+        for label, (attn, kv) in {"full step": (False, False), "no attention": (True, False),
+                                  "no KV write": (False, True),
+                                  "neither": (True, True)}.items():
+            with without(attn, kv):
+                row[label] = time_step(ex, shape, arrays, args.repeats)
+        # A decode step samples every row; a prefill step only the rows that finish a
+        # prompt and the decodes, so its LM head is left out of the comparison.
+        row[dense] = dense_seconds(ckpt.config, params, live, not prefill, args.repeats)
+        report[name] = row
+    print(f"SmolLM2-135M fp32, one host device, {c} requests; fastest of {args.repeats} "
+          "runs, ms")
+    for name, row in report.items():
+        print(f"\n{name} step: {row['shape']}, {row['live_tokens']} live tokens")
+        for label, value in row.items():
+            if isinstance(value, float):
+                print(f"  {label:<24} {1e3 * value:8.1f}")
+        full = row["full step"]
+        print(f"  {'attention':<24} {1e3 * (full - row['no attention']):8.1f}  (full - no "
+              "attention)")
+        print(f"  {'KV writes':<24} {1e3 * (full - row['no KV write']):8.1f}  (full - no KV "
+              "write)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"bench": "step_breakdown", "concurrency": c,
+                                         "repeats": args.repeats, "steps": report}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
