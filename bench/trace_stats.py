@@ -5,16 +5,17 @@
 Mooncake traces name each prompt's 512-token blocks by hash (``hash_ids``): equal ids are
 equal token blocks. A request's *reusable prefix* is its leading run of blocks that some
 earlier request already sent, which an unbounded prefix cache (vLLM's automatic prefix
-caching, SGLang's radix cache) would not prefill again. Printed per trace: the share of
-prompt tokens in such prefixes, and the prefill compute a workload needs on raw prompts
-at ``--rate`` for Qwen3-14B (linear layers plus causal attention), against the bf16 dense
-peak of 4 H100s: the simulator prices raw prompts, with no cache.
+caching, SGLang's radix cache) would not prefill again
+(``conflux_jax.bench.workloads.cached_prefixes``; ``sim --prefix-cache`` applies it).
+Printed per trace: the share of prompt tokens in such prefixes, and the prefill compute
+a workload needs on raw prompts at ``--rate`` for Qwen3-14B (linear layers plus causal
+attention), against the bf16 dense peak of 4 H100s: what the simulator prices without
+``--prefix-cache``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,26 +24,8 @@ try:
 except ImportError:  # run as a script from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conflux_jax.bench.workloads import at_rate, load_trace, traces_dir
+from conflux_jax.bench.workloads import at_rate, cached_prefixes, load_trace, load_trace_hashes
 from conflux_jax.scheduler.roofline import HARDWARE, MODELS
-
-BLOCK_TOKENS = 512  # Mooncake's hash block size
-
-
-def reusable_prefix_share(rows: list[dict]) -> float:
-    """Share of prompt tokens in leading blocks an earlier request already sent."""
-    seen: set[int] = set()
-    total = reused = 0
-    for row in rows:
-        lead = 0
-        for h in row["hash_ids"]:
-            if h not in seen:
-                break
-            lead += 1
-        total += row["input_length"]
-        reused += min(row["input_length"], lead * BLOCK_TOKENS)
-        seen.update(row["hash_ids"])
-    return reused / total if total else 0.0
 
 
 def prefill_pflops(name: str, rate: float, num: int, model: str = "qwen3-14b") -> float:
@@ -63,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     peak = 4 * HARDWARE["h100"].peak_flops / 1e15
     for name in ("conversation", "synthetic"):
-        path = traces_dir() / f"{name}_trace.jsonl"
-        rows = [json.loads(line) for line in path.open() if line.strip()]
+        prompts = [p for _, p, _ in load_trace(name)]
+        share = sum(cached_prefixes(load_trace_hashes(name), prompts)) / sum(prompts)
         need = prefill_pflops(name, args.rate, args.num)
-        print(f"{name}: {len(rows)} requests, reusable prefix {reusable_prefix_share(rows):.1%}"
+        print(f"{name}: {len(prompts)} requests, reusable prefix {share:.1%}"
               f" of prompt tokens; raw prefill at {args.rate} req/s ({args.num} sampled): "
               f"{need:.2f} PFLOP/s = {need / peak:.0%} of 4 H100s' bf16 dense peak")
     return 0

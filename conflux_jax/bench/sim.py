@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from conflux_jax.bench.workloads import at_rate, load_workload
+from conflux_jax.bench.workloads import at_rate, load_trace_hashes, load_workload
 from conflux_jax.scheduler.policies import POLICIES, SLOS, InstanceSpec, run_policy
 from conflux_jax.scheduler.roofline import MODELS
 
@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft", type=float, help="TTFT SLO seconds (default: paper's)")
     ap.add_argument("--tbt", type=float, help="TBT SLO seconds (default: paper's)")
     ap.add_argument("--coeffs", type=Path, help="fitted latency JSON for the conflux mesh")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="Mooncake traces only: skip the prefill of each prompt's leading "
+                         "blocks that an earlier request sent (an unbounded prefix cache, "
+                         "as vLLM / SGLang enable by default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write per-rate attainment here")
     ap.add_argument("--png", type=Path, help="attainment-vs-rate plot (default: beside --json)")
@@ -89,8 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     tbt = args.tbt or SLOS[args.model][1]
     rates = args.rates or DEFAULT_RATES[args.model]
     base = load_workload(args.trace, args.num_requests, args.seed)
+    hashes = None
+    if args.prefix_cache:
+        if args.trace in ("toolagent", "toolagent-lognormal", "poisson"):
+            ap.error("--prefix-cache needs a Mooncake trace (its hash_ids name shared blocks)")
+        hashes = load_trace_hashes(args.trace)
     max_ctx = MODELS[args.model].max_context
-    workloads = {r: at_rate(base, r, args.num_requests, max_ctx, args.seed) for r in rates}
+    workloads = {r: at_rate(base, r, args.num_requests, max_ctx, args.seed, hashes)
+                 for r in rates}
     t0 = time.time()
     results: dict[str, list[dict]] = {p: [] for p in args.policies}
     jobs = [(p, r) for p in args.policies for r in rates]
@@ -101,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.time() - t0
     good = {p: goodput(rates, [r["attainment"] for r in rows]) for p, rows in results.items()}
 
-    title = (f"{args.model} on {args.gpus}x {args.hardware}, {args.trace}, "
+    cache = ", prefix cache" if args.prefix_cache else ""
+    title = (f"{args.model} on {args.gpus}x {args.hardware}, {args.trace}{cache}, "
              f"SLO {ttft:g}s/{tbt * 1e3:g}ms, {args.num_requests} requests")
     print(title)
     print(f"{'policy':<20} {'goodput (req/s)':>16}   attainment % at " +
@@ -116,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "bench": "sim", "model": args.model, "hardware": args.hardware,
-            "gpus": args.gpus, "trace": args.trace, "num_requests": args.num_requests,
+            "gpus": args.gpus, "trace": args.trace, "prefix_cache": args.prefix_cache,
+            "num_requests": args.num_requests,
             "ttft_slo_s": ttft, "tbt_slo_s": tbt, "rates": rates, "target": TARGET,
             "latency_source": str(args.coeffs) if args.coeffs else "roofline",
             "goodput_rps": good, "goodput_capped_by_sweep": capped, "results": results,

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from conflux_jax.scheduler.request import Request
@@ -31,18 +32,48 @@ def traces_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
-def load_trace(name: str) -> Base:
-    """A Mooncake trace by name ("conversation", "synthetic") or path to a .jsonl file."""
+def _trace_rows(name: str) -> list[dict]:
     path = Path(name) if name.endswith(".jsonl") else traces_dir() / f"{name}_trace.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"trace {path} not found (set CONFLUX_TRACES_DIR)")
-    out: Base = []
     with path.open() as f:
-        for line in f:
-            if line.strip():
-                d = json.loads(line)
-                out.append((d["timestamp"] / 1000.0, int(d["input_length"]),
-                            int(d["output_length"])))
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_trace(name: str) -> Base:
+    """A Mooncake trace by name ("conversation", "synthetic") or path to a .jsonl file."""
+    return [(d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"]))
+            for d in _trace_rows(name)]
+
+
+def load_trace_hashes(name: str) -> list[tuple[int, ...]]:
+    """Each request's prompt block hashes (Mooncake ``hash_ids``, one per
+    ``TRACE_BLOCK_TOKENS`` tokens; equal ids are equal blocks), in ``load_trace`` order."""
+    rows = _trace_rows(name)
+    if any("hash_ids" not in d for d in rows):
+        raise ValueError(f"trace {name} has no hash_ids: no prefix reuse to model")
+    return [tuple(d["hash_ids"]) for d in rows]
+
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake's hash block size
+
+
+def cached_prefixes(hashes: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                    block_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
+    """Prompt tokens an unbounded prefix cache would hold for each request, in order: its
+    leading run of blocks that earlier requests already sent (vLLM's automatic prefix
+    caching or SGLang's radix cache with no eviction), at most the prompt minus one token
+    (the last one is always computed, for its logits)."""
+    seen: set[int] = set()
+    out = []
+    for ids, p in zip(hashes, prompt_lens, strict=True):
+        lead = 0
+        for h in ids:
+            if h not in seen:
+                break
+            lead += 1
+        out.append(min(p - 1, lead * block_tokens))
+        seen.update(ids)
     return out
 
 
@@ -119,20 +150,27 @@ def poisson_random(num: int, seed: int = 0, prompt: tuple[int, int] = (128, 8192
     return out
 
 
-def at_rate(base: Base, rate: float, num: int, max_context: int, seed: int = 0) -> list[Request]:
-    """Subsample ``num`` requests, rescale arrivals to ``rate`` req/s, cap lengths."""
+def at_rate(base: Base, rate: float, num: int, max_context: int, seed: int = 0,
+            hashes: Sequence[Sequence[int]] | None = None) -> list[Request]:
+    """Subsample ``num`` requests, rescale arrivals to ``rate`` req/s, cap lengths.
+
+    With ``hashes`` (``load_trace_hashes``, aligned with ``base``), each request also
+    gets the prefix an unbounded cache would hold from the *sampled* requests before it.
+    """
+    picked = list(range(len(base)))
     if num < len(base):
-        rng = random.Random(seed)
-        picked = sorted(rng.sample(range(len(base)), num))
-        base = [base[i] for i in picked]
-    t0 = base[0][0]
-    span = base[-1][0] - t0
-    scale = (len(base) - 1) / rate / span if span > 0 and len(base) > 1 else 1.0
+        picked = sorted(random.Random(seed).sample(picked, num))
+    rows = [base[i] for i in picked]
+    t0 = rows[0][0]
+    span = rows[-1][0] - t0
+    scale = (len(rows) - 1) / rate / span if span > 0 and len(rows) > 1 else 1.0
+    prompts = [min(p, max_context - 1) for _, p, _ in rows]
+    cached = ([0] * len(rows) if hashes is None else
+              cached_prefixes([hashes[i] for i in picked], prompts))
     reqs = []
-    for i, (t, p, o) in enumerate(base):
-        p = min(p, max_context - 1)
+    for i, ((t, _, o), p) in enumerate(zip(rows, prompts, strict=True)):
         o = max(1, min(o, max_context - p))
-        reqs.append(Request(i, (t - t0) * scale, p, o))
+        reqs.append(Request(i, (t - t0) * scale, p, o, cached_prefix=cached[i]))
     return reqs
 
 

@@ -66,6 +66,11 @@ class MuxLatency:
         return self.iteration(load, shape.n_p[0], shape.a_p, self.decode_path(shape.w_d[0]))
 
 
+def _uncached(r: Request) -> int:
+    """Prompt tokens the prefill instance must compute (a cached prefix is skipped)."""
+    return r.prompt_len - r.cached_prefix
+
+
 def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyModel,
                            decode_model: LatencyModel, decode_kv_tokens: int,
                            kv_bytes_per_token: float, ttft_slo_s: float, tbt_slo_s: float,
@@ -107,13 +112,13 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
                 queue.append(reqs[i])
                 i += 1
             if order == "srpt":
-                queue.sort(key=lambda r: (r.prompt_len, r.arrival_s))
+                queue.sort(key=lambda r: (_uncached(r), r.arrival_s))
             batch, tokens = [], 0
-            while queue and (not batch or tokens + queue[0].prompt_len <= max_batch_tokens):
+            while queue and (not batch or tokens + _uncached(queue[0]) <= max_batch_tokens):
                 r = queue.pop(0)
                 batch.append(r)
-                tokens += r.prompt_len
-            a_p = sum(r.prompt_len * (r.prompt_len + 1) / 2 for r in batch)
+                tokens += _uncached(r)
+            a_p = sum(_uncached(r) * (r.cached_prefix + (_uncached(r) + 1) / 2) for r in batch)
             t_p += prefill_model.iteration(tokens, tokens, a_p, 0.0)
             iters += 1
             for r in batch:

@@ -16,6 +16,8 @@ class Request:
 
     ``ttft_slo_s``/``tbt_slo_s`` override the instance's SLOs for this request (the
     server's per-request SLO extension); None = the instance default.
+    ``cached_prefix``: leading prompt tokens whose KV a prefix cache already holds, so
+    they are never prefilled (only the simulator sets it; at least one token is left).
     """
 
     id: int
@@ -24,10 +26,13 @@ class Request:
     max_new_tokens: int
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    cached_prefix: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1:
             raise ValueError(f"request {self.id}: prompt_len and max_new_tokens must be >= 1")
+        if not 0 <= self.cached_prefix < self.prompt_len:
+            raise ValueError(f"request {self.id}: cached_prefix must be in [0, prompt_len)")
 
 
 @dataclasses.dataclass(slots=True, eq=False)

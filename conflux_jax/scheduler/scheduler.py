@@ -93,7 +93,8 @@ class Scheduler:
         if not self.fits(req):
             return False
         ttft = req.ttft_slo_s if req.ttft_slo_s is not None else self.cfg.ttft_slo_s
-        st = RequestState(req, req.arrival_s + ttft, req.prompt_len)
+        st = RequestState(req, req.arrival_s + ttft, req.prompt_len,
+                          prefilled=req.cached_prefix)
         self._states[req.id] = st
         self._pending[req.id] = st
         return True
@@ -267,7 +268,8 @@ class Scheduler:
             self._pending[st.id] = st
         st.phase = "waiting"
         st.target = st.req.prompt_len + st.generated
-        st.prefilled = st.kv_len = st.kv_cap = 0
+        st.kv_len = st.kv_cap = 0
+        st.prefilled = st.req.cached_prefix  # the cache still holds the prefix
         st.rank = -1
         st.slot = None
         st.preemptions += 1

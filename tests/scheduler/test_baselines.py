@@ -69,3 +69,14 @@ def test_every_policy_serves_a_small_workload(policy: str) -> None:
     rep = run_policy(InstanceSpec(policy, "qwen3-14b", "h100", 4, ttft, tbt), reqs)
     assert all(r.finish_s is not None and r.tokens == r.output_len for r in rep.records)
     assert rep.attainment > 0.8
+
+
+def test_disaggregated_skips_a_cached_prefix() -> None:
+    # 100-token prompt, 60 cached: 40 tokens prefilled, 0.01 + 40*1e-4 = 0.014 s; the KV
+    # moved to the decode instance is still the whole prompt's.
+    rec = simulate_disaggregated([Request(0, 0.0, 100, 2, cached_prefix=60)], _model(1e-4),
+                                 _model(1e-4), decode_kv_tokens=10_000,
+                                 kv_bytes_per_token=1e3, ttft_slo_s=1.0, tbt_slo_s=0.05,
+                                 link_bw=1e6).records[0]
+    assert rec.first_token_s == pytest.approx(0.014)
+    assert rec.finish_s == pytest.approx(0.014 + 0.1 + 0.0101)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conflux_jax.bench.__main__ import SUBCOMMANDS, main
 from conflux_jax.bench.sim import goodput
 from conflux_jax.bench.workloads import TOOLAGENT_OUTPUT, TOOLAGENT_PROMPT, at_rate, toolagent_like
@@ -51,3 +53,26 @@ def test_goodput_and_workloads() -> None:
     span = reqs[-1].arrival_s - reqs[0].arrival_s
     assert abs(999 / span - 5.0) < 1e-6
     assert max(r.prompt_len + r.max_new_tokens for r in reqs) <= 32_768
+
+
+def test_sim_prefix_cache_needs_hashes_and_raises_attainment(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--prefix-cache", "--rates", "1"])  # toolagent-like: no hash ids
+    assert "Mooncake trace" in capsys.readouterr().err
+    # 60 requests resending one 16K-token context plus a fresh block: with the cache only
+    # the fresh block is prefilled, so the same rate is served far better.
+    rows = [{"timestamp": 100 * i, "input_length": 16_384 + 512, "output_length": 8,
+             "hash_ids": list(range(32)) + [1000 + i]} for i in range(60)]
+    trace = tmp_path / "shared.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    got = {}
+    for flag in ([], ["--prefix-cache"]):
+        out = tmp_path / f"s{len(flag)}.json"
+        assert main(["sim", "--model", "llama3.1-8b", "--trace", str(trace), "--rates", "8",
+                     "--num-requests", "60", "--policies", "ConfluxServe", "Chunked",
+                     "--json", str(out), *flag]) == 0
+        d = json.loads(out.read_text())
+        assert d["prefix_cache"] == bool(flag)
+        got[bool(flag)] = {p: rows[0]["attainment"] for p, rows in d["results"].items()}
+    assert got[True]["Chunked"] > got[False]["Chunked"] + 0.5
+    assert got[True]["ConfluxServe"] >= got[False]["ConfluxServe"]

@@ -242,3 +242,24 @@ def test_per_request_slos_set_the_deadline_and_the_iteration_bound():
     # While request 1 decodes, every iteration must fit its tighter 30 ms TBT SLO.
     assert plan.estimated_latency_s <= 0.03 or not plan.fits_slo
     assert plan.fits_slo == (plan.estimated_latency_s <= 0.03)
+
+
+@pytest.mark.parametrize("mode", ["conflux", "tp_chunked", "isolated"])
+def test_cached_prefix_is_never_prefilled(mode: str) -> None:
+    """A request whose first 3,000 prompt tokens are cached prefills only the rest, with
+    the cached tokens as attention history, and decodes over its whole prompt."""
+    cfg = SchedulerConfig(tbt_slo_s=TBT, ttft_slo_s=TTFT, mode=mode)  # type: ignore[arg-type]
+    n = 1 if mode == "tp_chunked" else 4
+    model = roofline_model("qwen3-14b", "h100", sp=n)
+    sched = Scheduler(cfg, model, BlockManager(n, 5000, 16))
+    ex = SimExecutor(model, KVSpec(n, 5000, 16))
+    pieces = []
+    report = simulate([Request(0, 0.0, 5000, 3, cached_prefix=3000)], sched, ex, TTFT, TBT,
+                      on_plan=lambda plan, _: pieces.extend(plan.prefill))
+    assert pieces[0].start == 3000
+    assert sum(p.length for p in pieces) == 2000
+    assert [p.start for p in pieces] == [3000 + sum(q.length for q in pieces[:i])
+                                         for i in range(len(pieces))]
+    assert report.records[0].tokens == 3 and report.records[0].finish_s is not None
+    with pytest.raises(ValueError, match="cached_prefix"):
+        Request(1, 0.0, 10, 1, cached_prefix=10)
