@@ -64,11 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=256, help="KV pages per rank")
-    p.add_argument("--token-buckets", type=_ints, default=(32, 128),
+    from conflux_jax.executor.buckets import BucketConfig  # stdlib-only module
+
+    buckets = BucketConfig()  # the engine's defaults: what the benchmarks measure
+    p.add_argument("--token-buckets", type=_ints, default=buckets.tokens,
                    help="token-buffer buckets per rank (each is compiled at warm-up)")
-    p.add_argument("--decode-buckets", type=_ints, default=(8, 32))
-    p.add_argument("--decode-page-buckets", type=_ints, default=(16,))
-    p.add_argument("--max-prefill-seqs", type=int, default=4)
+    p.add_argument("--decode-buckets", type=_ints, default=buckets.decode)
+    p.add_argument("--decode-page-buckets", type=_ints, default=buckets.decode_pages,
+                   help="decode page-table widths (default: the max model length's)")
+    p.add_argument("--max-prefill-seqs", type=int, default=buckets.max_prefill_seqs)
     p.add_argument("--max-logprobs", type=int, default=5,
                    help="top alternatives computed per token (0-20)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -154,6 +154,12 @@ def _write_stacked(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax
     num_slots = view[0] * view[1]
     flat = pool.reshape(pool.shape[0], num_slots, *view[2:])
     slots = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)
+    if slots.shape[0] == 1:
+        # XLA turns a one-index scatter into a dynamic-update-slice that it does not do in
+        # place here: it copied the whole pool every layer (0.9 s steps). A second,
+        # dropped index keeps it a scatter.
+        slots = jnp.concatenate([slots, jnp.full((1,), num_slots, slots.dtype)])
+        new = jnp.concatenate([new, new])
     flat = flat.at[layer, slots].set(new.astype(pool.dtype), mode="drop")
     return flat.reshape(pool.shape)
 

@@ -36,3 +36,21 @@ def test_every_reachable_shape_is_compiled_at_warmup():
 def test_oversized_load_is_a_clear_error():
     with pytest.raises(ValueError, match="largest bucket"):
         _planner().shape_for(0, 1, 129, 1)
+
+
+def test_single_row_buckets_serve_only_decode_only_steps():
+    pl = ShapePlanner(BucketConfig(), max_pages_per_seq=32, transfer_groups=8)
+    assert pl.buckets.tokens[0] == 1 and pl.buckets.decode[0] == 1  # the defaults have them
+    one = pl.shape_for(prefill_max=0, decode_max=1, combined_max=1, decode_pages_max=3)
+    assert (one.tokens, one.prefill, one.decode) == (1, 0, 1)
+    # a one-token prefill, alone or beside one decode, takes the next buckets
+    for n_d in (0, 1):
+        s = pl.shape_for(prefill_max=1, decode_max=n_d, combined_max=1 + n_d,
+                         decode_pages_max=3)
+        assert (s.tokens, s.prefill, s.decode) == (4, 4, 4)
+    seen = {pl.shape_for(n_p, n_d, n_p + n_d, 32)
+            for n_p, n_d in itertools.product(range(257), range(65)) if 0 < n_p + n_d <= 256}
+    warm = set(pl.all_shapes())
+    assert seen <= warm
+    assert {(s.tokens, s.prefill, s.decode) for s in warm if 1 in (s.tokens, s.decode)} \
+        == {(1, 0, 1)}  # one extra executable
