@@ -11,6 +11,7 @@ the peers it measures in the same run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -40,6 +41,7 @@ class DenseBound:
         return dataclasses.asdict(self)
 
 
+@functools.cache  # one compiled function per (config, lm_head), shared by every repeat
 def _dense_fn(config: ModelConfig, lm_head: bool):
     """(params, x f32[T, D], positions i32[T]) -> the blocks' output f32[T, D], or the
     logits f32[T, V] of every row. The weights are arguments: closed over, they would be

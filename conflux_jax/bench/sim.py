@@ -17,7 +17,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from conflux_jax.bench.workloads import at_rate, load_trace_hashes, load_workload
+from conflux_jax.bench.workloads import (
+    GENERATED,
+    at_rate,
+    load_trace_hashes,
+    load_workload,
+)
 from conflux_jax.scheduler.policies import POLICIES, SLOS, InstanceSpec, run_policy
 from conflux_jax.scheduler.roofline import MODELS
 
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_workload(args.trace, args.num_requests, args.seed)
     hashes = None
     if args.prefix_cache:
-        if args.trace in ("toolagent", "toolagent-lognormal", "poisson"):
+        if args.trace in GENERATED:
             ap.error("--prefix-cache needs a Mooncake trace (its hash_ids name shared blocks)")
         hashes = load_trace_hashes(args.trace)
     max_ctx = MODELS[args.model].max_context

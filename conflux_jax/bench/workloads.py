@@ -10,7 +10,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conflux_jax.scheduler.request import Request
@@ -174,13 +174,16 @@ def at_rate(base: Base, rate: float, num: int, max_context: int, seed: int = 0,
     return reqs
 
 
+# Workloads generated here rather than read from a trace (so with no hash ids).
+GENERATED: dict[str, Callable[[int, int], Base]] = {
+    "toolagent": toolagent_like,  # Table 3, Mooncake-shaped
+    "toolagent-lognormal": lambda num, seed: toolagent_like(num, seed, shape="lognormal"),
+    "poisson": poisson_random,
+}
+
+
 def load_workload(name: str, num: int, seed: int = 0) -> Base:
-    """"toolagent" (Table 3, Mooncake-shaped), "toolagent-lognormal", "poisson", or a
-    trace name / path."""
-    if name == "toolagent":
-        return toolagent_like(num, seed)
-    if name == "toolagent-lognormal":
-        return toolagent_like(num, seed, shape="lognormal")
-    if name == "poisson":
-        return poisson_random(num, seed)
+    """A ``GENERATED`` workload by name, or a trace name / path."""
+    if name in GENERATED:
+        return GENERATED[name](num, seed)
     return load_trace(name)
