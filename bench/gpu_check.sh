@@ -27,14 +27,14 @@ fi
 
 # Correctness: the same randomized and hand-picked checks as on CPU, against the compiled
 # kernels (interpret mode is covered on CPU; skipping it here saves minutes).
-export CONFLUX_KERNEL_TEST_IMPLS="reference,pallas"
+export CONFLUX_KERNEL_TEST_IMPLS="xla,pallas"
 timeout 280 python -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
     --junitxml="$OUT_DIR/pytest.xml" tests/pallas_kernels 2>&1 | tee "$OUT_DIR/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
 unset CONFLUX_KERNEL_TEST_IMPLS
 
 # Timing: ceilings (copy, bf16 matmul), decode and prefill with a small tiling sweep.
-timeout 160 python bench/kernels.py --json "$OUT_DIR/kernels.json" --budget-s 100 \
+timeout 160 python -m conflux_jax.bench kernels --json "$OUT_DIR/kernels.json" --budget-s 100 \
     2>&1 | tee "$OUT_DIR/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 

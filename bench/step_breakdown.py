@@ -23,20 +23,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-try:
-    import conflux_jax  # noqa: F401
-except ImportError:  # run as a script from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 import conflux_jax.executor.step as step_module
@@ -49,18 +42,18 @@ from conflux_jax.executor.batch import StepBatch
 
 
 def capture(engine: Any, prompt_len: int, max_tokens: int, concurrency: int,  # noqa: ANN401
-            want: Any) -> tuple[Any, dict[str, np.ndarray]] | None:  # noqa: ANN401
-    """Run the workload once and return the last step (shape, host arrays) that ``want``
+            want: Any) -> tuple[Any, StepBatch] | None:  # noqa: ANN401
+    """Run the workload once and return the last step (shape, host batch) that ``want``
     accepts, or None when it ran none (one request never co-batches a prefill)."""
     ex = engine.executor
-    kept: list[tuple[Any, dict[str, np.ndarray]]] = []
+    kept: list[tuple[Any, StepBatch]] = []
     build = ex.build_batch
 
     def spy(plan: Any) -> Any:  # noqa: ANN401
-        shape, arrays, rows = build(plan)
+        shape, batch, rows = build(plan)
         if want(plan):
-            kept.append((shape, {k: v.copy() for k, v in arrays.items()}))
-        return shape, arrays, rows
+            kept.append((shape, jax.tree.map(np.copy, batch)))
+        return shape, batch, rows
 
     ex.build_batch = spy
     try:
@@ -86,18 +79,18 @@ def without(attention: bool, kv_write: bool) -> Iterator[None]:
         step_module.ragged_paged_attention, step_module._write_stacked = saved
 
 
-def time_step(ex: Any, shape: Any, arrays: dict[str, np.ndarray], repeats: int) -> float:  # noqa: ANN401
-    """Fastest of ``repeats`` runs of a freshly built and compiled step on ``arrays``."""
+def time_step(ex: Any, shape: Any, host: StepBatch, repeats: int) -> float:  # noqa: ANN401
+    """Fastest of ``repeats`` runs of a freshly built and compiled step on ``host``."""
     step = step_module.build_step(ex.step_config, ex.mesh, ex._param_specs)
     compiled = step.lower(*ex._abstract_args(shape)).compile()
-    specs = step_module.batch_specs()
-    batch = StepBatch(**{k: jax.device_put(v, NamedSharding(ex.mesh, getattr(specs, k)))
-                         for k, v in arrays.items()})
+    batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
+                                              StepBatch.specs()))
     best = float("inf")
     for _ in range(repeats + 1):  # the first run is a warm-up
         start = time.perf_counter()
-        ex.k_pool, ex.v_pool, tokens, *_ = compiled(ex.params, ex.k_pool, ex.v_pool, batch)
-        tokens.block_until_ready()
+        out = compiled(ex.params, ex.k_pool, ex.v_pool, batch)
+        ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
+        out.sampled.tokens.block_until_ready()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -114,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {
         # Mid-run: the requests' contexts are ~100 tokens (32 prompt + ~70 generated).
         "decode": capture(engine, 32, 128, c, lambda plan: not plan.prefill and len(
-            plan.decode) == c and min(len(engine.executor.sequences[d.request_id].token_ids)
-                                      for d in plan.decode) <= 100),
+            plan.decode) == c and min(d.position + 1 for d in plan.decode) <= 100),
         "prefill+decode": capture(engine, 128, 32, c, lambda plan: bool(plan.prefill) and sum(
             p.length for p in plan.prefill) >= 200 and bool(plan.decode)),
     }
@@ -126,16 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         if step is None:
             print(f"(no {name} step at concurrency {c})")
             continue
-        shape, arrays = step
-        prefill = int(arrays["prefill_cu_q_lens"][-1])
-        live = prefill + int(arrays["num_decode"].sum())
+        shape, host = step
+        prefill = int(host.shared.cu_q_lens[-1])
+        live = prefill + int(host.rank.num_decode.sum())
         row: dict[str, Any] = {"shape": str(shape), "live_tokens": live}
         dense = "dense layers + LM head" if not prefill else "dense layers"
         for label, (attn, kv) in {"full step": (False, False), "no attention": (True, False),
                                   "no KV write": (False, True),
                                   "neither": (True, True)}.items():
             with without(attn, kv):
-                row[label] = time_step(ex, shape, arrays, args.repeats)
+                row[label] = time_step(ex, shape, host, args.repeats)
         # A decode step samples every row; a prefill step only the rows that finish a
         # prompt and the decodes, so its LM head is left out of the comparison.
         row[dense] = dense_seconds(ckpt.config, params, live, not prefill, args.repeats)

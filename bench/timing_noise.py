@@ -15,19 +15,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 
-try:
-    import conflux_jax  # noqa: F401
-except ImportError:  # run as a script from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 # Importing jax does not start its backend: the device flags below still take effect.
 from conflux_jax.bench.estimator import _random_plan, _release, _timed, build_executor
 from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
+from conflux_jax.scheduler.block_manager import BlockManager
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     simulate_cpu_devices(devices_named_by(args.mesh, 4))
     ex = build_executor("default", args.mesh, max_context=768)
     rng = np.random.default_rng(args.seed)
+    bm = BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size)
     rows = []
     for i in range(args.batches):
         kind = ("decode", "prefill", "mixed")[i % 3]
-        plan, _ = _random_plan(ex, rng, kind, 768, 128, 8, ex.model_config.vocab_size)
-        ex.run(plan)  # first run may compile
+        plan = _random_plan(ex, bm, rng, kind, 768, 128, 8, ex.model_config.vocab_size)
+        ex.execute(plan)  # first run may compile
         times = [min(_timed(ex, plan) for _ in range(5)) for _ in range(args.trials)]
         mean = statistics.fmean(times)
         rows.append({"kind": kind, "mean_s": mean,
@@ -54,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                      "range_pct": 100 * (max(times) - min(times)) / mean})
         print(f"{kind:<8} mean {mean:6.3f} s   cv {rows[-1]['cv_pct']:4.1f}%   "
               f"range {rows[-1]['range_pct']:4.1f}%", flush=True)
-        _release(ex, plan)
+        _release(bm, plan)
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if args.json:
         args.json.write_text(json.dumps({"mesh": args.mesh, "trials": args.trials,

@@ -16,16 +16,9 @@ attention), against the bf16 dense peak of 4 H100s: what the simulator prices wi
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-try:
-    import conflux_jax  # noqa: F401
-except ImportError:  # run as a script from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conflux_jax.bench.workloads import at_rate, cached_prefixes, load_trace, load_trace_hashes
-from conflux_jax.scheduler.roofline import HARDWARE, MODELS
+from conflux_jax.latency.roofline import HARDWARE, MODELS
 
 
 def prefill_pflops(name: str, rate: float, num: int, model: str = "qwen3-14b") -> float:

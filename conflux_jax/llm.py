@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from conflux_jax.engine import Engine, EngineConfig
@@ -22,15 +23,18 @@ class LLM:
     ``mesh`` is ``"sp=4,tp=1"`` style; the default uses every local device as an ``sp``
     rank (on CPU set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before jax is
     imported to simulate N devices). Step shapes compile on first use; call
-    ``llm.engine.executor.warmup()`` to compile them all up front.
+    ``llm.engine.executor.warmup()`` to compile them all up front. ``checkpoint_dir`` is
+    where the default model's converted checkpoint is kept (see
+    ``conflux_jax.checkpoints.default_model.resolve_store`` for the default).
     """
 
     def __init__(self, model: str = "default", *, mesh: str | None = None,
                  dtype: str = "float32", max_model_len: int | None = None,
-                 policy: str = "conflux", engine_config: EngineConfig | None = None):
+                 policy: str = "conflux", engine_config: EngineConfig | None = None,
+                 checkpoint_dir: str | Path | None = None):
         from conflux_jax.checkpoints import load_checkpoint
 
-        ckpt = load_checkpoint(model, dtype=dtype)
+        ckpt = load_checkpoint(model, dtype=dtype, checkpoint_dir=checkpoint_dir)
         self.model_name = model
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer

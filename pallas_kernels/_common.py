@@ -1,14 +1,14 @@
 """Shared helpers for the Pallas kernels: implementation dispatch and small utilities.
 
-Every op in this package has three implementations:
+Every op in this package has three implementations, the values of its ``impl`` argument:
 
-* ``"reference"``: pure ``jnp`` (the fast path on CPU, and the oracle the kernels are checked
-  against),
+* ``"xla"``: pure ``jnp``, compiled by XLA (the fast path on CPU),
 * ``"pallas"``: the Pallas kernel compiled for the GPU through Pallas' Triton lowering,
 * ``"interpret"``: the same Pallas kernel body run with ``interpret=True`` (any backend; tests).
 
 ``impl=None`` means auto: the ``CONFLUX_ATTENTION_IMPL`` environment variable when set,
-otherwise ``"pallas"`` on a GPU backend and ``"reference"`` everywhere else.
+otherwise ``"pallas"`` on a GPU backend and ``"xla"`` everywhere else. Besides these, every op
+has a plain numpy reference (``ref_*``), the oracle the tests check all three against.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPL_ENV_VAR = "CONFLUX_ATTENTION_IMPL"
-IMPLS = ("reference", "pallas", "interpret")
+IMPLS = ("xla", "pallas", "interpret")
+_RENAMED = {"reference": "xla"}  # impl values of earlier versions
 
 
 def on_gpu() -> bool:
@@ -35,21 +36,23 @@ def resolve_impl(impl: str | None) -> str:
     if impl is None:
         env = os.environ.get(IMPL_ENV_VAR, "").strip().lower()
         if not env:
-            return "pallas" if on_gpu() else "reference"
+            return "pallas" if on_gpu() else "xla"
         impl, source = env, f"${IMPL_ENV_VAR}"
     if impl not in IMPLS:
-        raise ValueError(f"{source}={impl!r} is not one of {IMPLS} (or None for auto)")
+        renamed = _RENAMED.get(impl) if isinstance(impl, str) else None
+        hint = f"; {impl!r} is now called {renamed!r}" if renamed else ""
+        raise ValueError(f"{source}={impl!r} is not one of {IMPLS} (or None for auto){hint}")
     if impl == "pallas" and not on_gpu():
         raise ValueError(
             f"{source}='pallas' compiles the kernel for a GPU, but JAX's default backend is "
-            f"{jax.default_backend()!r}; use 'interpret' or 'reference' here"
+            f"{jax.default_backend()!r}; use 'interpret' or 'xla' here"
         )
     return impl
 
 
 def impls_under_test() -> list[str]:
     """Implementations the tests exercise: ``$CONFLUX_KERNEL_TEST_IMPLS`` (comma-separated) or
-    reference + interpret, plus compiled pallas on a GPU."""
+    xla + interpret, plus compiled pallas on a GPU."""
     env = os.environ.get("CONFLUX_KERNEL_TEST_IMPLS", "").strip()
     if env:
         impls = [i.strip() for i in env.split(",") if i.strip()]
@@ -57,7 +60,7 @@ def impls_under_test() -> list[str]:
         if bad:
             raise ValueError(f"CONFLUX_KERNEL_TEST_IMPLS: unknown {bad}, expected some of {IMPLS}")
         return impls
-    return ["reference", "interpret"] + (["pallas"] if on_gpu() else [])
+    return ["xla", "interpret"] + (["pallas"] if on_gpu() else [])
 
 
 def triton_module() -> ModuleType:

@@ -5,10 +5,11 @@ Token ``t`` goes to slot ``slot_mapping[t] = page * page_size + offset`` of the 
 padding token, which never writes; so does a slot past the end of the pool. Two live tokens
 must not share a slot (which one lands would be unspecified).
 
-Both implementations update the pools in place when the caller donates them
-(``jax.jit(..., donate_argnums=(0, 1))``): the reference is one ``.at[].set(mode="drop")``
-scatter per pool with padding aimed past the end, the Pallas kernel aliases each pool to its
-output (``input_output_aliases``) and only stores the live rows.
+Both fast implementations update the pools in place when the caller donates them
+(``jax.jit(..., donate_argnums=(0, 1))``): the XLA path (``impl="xla"``) is one
+``.at[].set(mode="drop")`` scatter per pool with padding aimed past the end, the Pallas kernel
+aliases each pool to its output (``input_output_aliases``) and only stores the live rows.
+``ref_write_kv`` is the numpy oracle the tests check both against: one token at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -30,7 +32,7 @@ from pallas_kernels._common import (
     triton_module,
 )
 
-__all__ = ["write_kv", "write_kv_reference"]
+__all__ = ["ref_write_kv", "write_kv", "write_kv_xla"]
 
 
 def _validate(
@@ -61,7 +63,7 @@ def _validate(
 
 
 @jax.jit
-def _write_kv_reference(
+def _write_kv_xla(
     k_pages: jax.Array,  # f[P, page_size, Hkv, d]
     v_pages: jax.Array,  # f[P, page_size, Hkv, d]
     k_new: jax.Array,  # f[T, Hkv, d]
@@ -81,16 +83,40 @@ def _write_kv_reference(
     return put(k_pages, k_new), put(v_pages, v_new)
 
 
-def write_kv_reference(
+def write_kv_xla(
     k_pages: jax.Array,  # f[P, page_size, Hkv, d]
     v_pages: jax.Array,  # f[P, page_size, Hkv, d]
     k_new: jax.Array,  # f[T, Hkv, d]
     v_new: jax.Array,  # f[T, Hkv, d]
     slot_mapping: jax.Array,  # i32[T]
 ) -> tuple[jax.Array, jax.Array]:  # (f[P, page_size, Hkv, d], f[P, page_size, Hkv, d])
-    """Pure-``jnp`` KV write (see ``write_kv``)."""
+    """The XLA path of ``write_kv`` (pure ``jnp``: one scatter per pool)."""
     _validate(k_pages, v_pages, k_new, v_new, slot_mapping)
-    return _write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping)
+    return _write_kv_xla(k_pages, v_pages, k_new, v_new, slot_mapping)
+
+
+def ref_write_kv(
+    k_pages: Any,  # f[P, page_size, Hkv, d]
+    v_pages: Any,  # f[P, page_size, Hkv, d]
+    k_new: Any,  # f[T, Hkv, d]
+    v_new: Any,  # f[T, Hkv, d]
+    slot_mapping: Any,  # i32[T]
+) -> tuple[np.ndarray, np.ndarray]:  # (f[P, page_size, Hkv, d], f[P, page_size, Hkv, d])
+    """Numpy reference of ``write_kv`` (concrete inputs): a loop over the tokens, each row cast
+    to the pools' dtype and written to its slot when the slot is inside the pool."""
+    _validate(k_pages, v_pages, k_new, v_new, slot_mapping)
+    p, ps, hkv, d = k_pages.shape
+    slots = np.asarray(slot_mapping)
+
+    def put(pages: np.ndarray, new: np.ndarray) -> np.ndarray:
+        flat = pages.reshape(p * ps, hkv, d).copy()
+        for t, slot in enumerate(slots):
+            if 0 <= slot < p * ps:
+                flat[slot] = new[t].astype(flat.dtype)
+        return flat.reshape(pages.shape)
+
+    return (put(np.asarray(k_pages), np.asarray(k_new)),
+            put(np.asarray(v_pages), np.asarray(v_new)))
 
 
 def _write_kv_kernel(
@@ -174,7 +200,7 @@ def write_kv(
       k_pages, v_pages: f[P, page_size, Hkv, d] pools (donate them for an in-place update).
       k_new, v_new: f[T, Hkv, d] new rows, cast to the pools' dtype.
       slot_mapping: i32[T] ``page * page_size + offset``; negative (padding) never writes.
-      impl: None (auto; ``$CONFLUX_ATTENTION_IMPL`` overrides), "reference", "pallas" or
+      impl: None (auto; ``$CONFLUX_ATTENTION_IMPL`` overrides), "xla", "pallas" or
         "interpret".
       block_t: tokens per Pallas program (power of two).
 
@@ -183,12 +209,12 @@ def write_kv(
     """
     _, _, _, d, _ = _validate(k_pages, v_pages, k_new, v_new, slot_mapping)
     impl = resolve_impl(impl)
-    if impl == "reference":
-        return _write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping)
+    if impl == "xla":
+        return _write_kv_xla(k_pages, v_pages, k_new, v_new, slot_mapping)
     if not (is_pow2(block_t) and is_pow2(d)):
         raise ValueError(
             f"the Pallas KV write needs power-of-two block_t and head dim, got block_t={block_t}, "
-            f"d={d}; use impl='reference'"
+            f"d={d}; use impl='xla'"
         )
     return _write_kv_pallas(
         k_pages,

@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a .gguf file, an HF safetensors "
                         "folder or an orbax checkpoint directory")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="store the default model is converted into on first use and loaded "
+                        "from (default: $CONFLUX_CHECKPOINT_DIR, else a source checkout's "
+                        "checkpoints/, else ~/.cache/conflux_jax/checkpoints)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as 'model' (default: the --model value)")
     p.add_argument("--mesh", default=None,
@@ -96,7 +100,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from conflux_jax.executor.buckets import BucketConfig
     from conflux_jax.executor.jax_executor import ExecutorConfig
 
-    ckpt = load_checkpoint(args.model, dtype=args.dtype)
+    ckpt = load_checkpoint(args.model, dtype=args.dtype, checkpoint_dir=args.checkpoint_dir)
     buckets = BucketConfig(tokens=args.token_buckets, decode=args.decode_buckets,
                            decode_pages=args.decode_page_buckets,
                            max_prefill_seqs=args.max_prefill_seqs)
@@ -127,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(devices_named_by(args.mesh, CPU_SIMULATED_DEVICES))
     import uvicorn
 
-    from serving.app import ServerSettings, create_app
+    from serving.app import create_app
     from serving.engine_loop import EngineLoop
+    from serving.settings import ServerSettings
 
     try:
         engine = build_engine(args)

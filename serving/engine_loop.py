@@ -263,7 +263,7 @@ class EngineLoop:
     def _publish_stats(self) -> None:
         eng = self.engine
         try:
-            bm = eng.executor.block_manager
+            bm = eng.scheduler.blocks
             used = sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
             waiting = eng.scheduler.num_pending
             self.stats = Stats(running=max(0, eng.num_unfinished - waiting), waiting=waiting,

@@ -22,6 +22,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
+# One wording for a request the engine failed, whether it streams (error event) or not (500).
+ENGINE_FAILED = ("the engine failed while generating this request; it was aborted "
+                 "(the server keeps serving)")
+
 
 class APIError(Exception):
     """An error answered to the client with ``status`` and ``message``."""

@@ -1,11 +1,18 @@
-"""OpenAI response pieces built from engine outputs: logprobs, chunks, usage."""
+"""OpenAI response bodies built from engine outputs: whole bodies, SSE chunks, logprobs,
+usage. Pure shaping: nothing here submits, waits for or aborts a request."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from serving.errors import ENGINE_FAILED, error_body
+from serving.protocol import new_id
+
+if TYPE_CHECKING:
+    from conflux_jax.engine import StepOutput
 
 # JSON has no -inf; vLLM reports this floor instead, and so do we.
 _LOGPROB_FLOOR = -9999.0
@@ -81,3 +88,112 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 def now_s() -> int:
     return int(time.time())
+
+
+# ------------------------------------------------------------------------------ bodies
+class ResponseFormat:
+    """One response's OpenAI shape: the whole body, or its SSE events in order. Made once
+    per request, so one id spans every chunk of a stream."""
+
+    id_prefix: ClassVar[str]
+    body_object: ClassVar[str]
+    chunk_object: ClassVar[str]
+
+    def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText) -> None:
+        self.model = model
+        self.n_logprobs = n_logprobs  # None: the client asked for no logprobs
+        self.token_text = token_text
+        self.id = new_id(self.id_prefix)
+        self.created = now_s()
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def body(self, text: str, token_ids: list[int], entries: list[dict[int, float]],
+             finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+        """The non-streaming body; ``entries`` are the logprobs of ``token_ids``."""
+        raise NotImplementedError
+
+    def opening(self) -> bytes | None:
+        """The event sent before any output, if this endpoint has one."""
+        return None
+
+    def chunk(self, out: StepOutput, finish_reason: str | None) -> bytes:
+        return sse({**self._head(self.chunk_object), "choices": [{
+            "index": 0, **self._delta(out), "finish_reason": finish_reason}]})
+
+    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+        return sse({**self._head(self.chunk_object), "choices": [], "usage": usage})
+
+    @staticmethod
+    def done() -> bytes:
+        return sse("[DONE]")
+
+    @staticmethod
+    def engine_failed() -> bytes:
+        """The event that ends a stream whose request the engine failed."""
+        return sse(error_body(500, ENGINE_FAILED))
+
+    def _delta(self, out: StepOutput) -> dict[str, Any]:
+        """A chunk's choice fields for one engine output (all but index, finish_reason)."""
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    """``/v1/completions``: ``text`` plus the legacy ``logprobs`` object."""
+
+    id_prefix = "cmpl"
+    body_object = chunk_object = "text_completion"
+
+    def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText) -> None:
+        super().__init__(model, n_logprobs, token_text)
+        self._offset = 0  # text offset of the next chunk (legacy logprobs' text_offset)
+
+    def body(self, text: str, token_ids: list[int], entries: list[dict[int, float]],
+             finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+        n = self.n_logprobs
+        lp = None if n is None else completion_logprobs(token_ids, entries, n,
+                                                        self.token_text, 0)
+        return {**self._head(self.body_object),
+                "choices": [{"index": 0, "text": text, "logprobs": lp,
+                             "finish_reason": finish_reason, "stop_reason": None}],
+                "usage": usage}
+
+    def _delta(self, out: StepOutput) -> dict[str, Any]:
+        lp = None
+        if self.n_logprobs is not None and out.logprobs:
+            lp = completion_logprobs(out.new_token_ids, out.logprobs, self.n_logprobs,
+                                     self.token_text, self._offset)
+        self._offset += len(out.text_delta)
+        return {"text": out.text_delta, "logprobs": lp}
+
+
+class ChatFormat(ResponseFormat):
+    """``/v1/chat/completions``: an assistant message, or deltas after a role chunk."""
+
+    id_prefix = "chatcmpl"
+    body_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, token_ids: list[int],
+                  entries: list[dict[int, float]]) -> dict[str, Any] | None:
+        if self.n_logprobs is None:
+            return None
+        return {"content": chat_logprobs(token_ids, entries, self.n_logprobs, self.token_text)}
+
+    def body(self, text: str, token_ids: list[int], entries: list[dict[int, float]],
+             finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._head(self.body_object),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": self._logprobs(token_ids, entries),
+                             "finish_reason": finish_reason}],
+                "usage": usage}
+
+    def _delta(self, out: StepOutput) -> dict[str, Any]:
+        lp = self._logprobs(out.new_token_ids, out.logprobs) if out.logprobs else None
+        return {"delta": {"content": out.text_delta}, "logprobs": lp}
+
+    def opening(self) -> bytes:
+        return sse({**self._head(self.chunk_object), "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -66,16 +66,17 @@ class _SamplingFields(BaseModel):
             raise ValueError("only n=1 is supported (one choice per request)")
         return v
 
-    def sampling_params(self, *, default_max_tokens: int | None,
-                        num_logprobs: int | None) -> SamplingParams:
-        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
-        return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=top_k, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=num_logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+    # Used when the client sends no max_tokens: None = no cap (chat); completions say 16.
+    default_max_tokens: ClassVar[int | None] = None
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives asked for per token; None = no logprobs at all."""
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -89,6 +90,12 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+
+    default_max_tokens: ClassVar[int | None] = 16
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -151,6 +158,27 @@ class ChatCompletionRequest(_SamplingFields):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+def to_sampling_params(req: GenerationRequest) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``req``. Reads the request, never writes it: the
+    parsed body stays what the client sent. ``SamplingParams`` may raise ValueError."""
+    max_tokens = req.effective_max_tokens
+    return SamplingParams(
+        max_tokens=req.default_max_tokens if max_tokens is None else max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
+        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output)
 
 
 # ---------------------------------------------------------------------------- responses

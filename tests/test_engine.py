@@ -66,7 +66,7 @@ def test_concurrent_greedy_equals_solo_reference(policy, mesh, count):
     for prompt, budget, out in zip(prompts, budgets, outs, strict=True):
         assert out.outputs[0].token_ids == solo_greedy(prompt, budget)
         assert out.outputs[0].finish_reason == "length"
-    bm = engine.executor.block_manager
+    bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
 
@@ -79,7 +79,7 @@ def test_kv_pressure_preempts_and_recomputes_without_changing_outputs():
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == solo_greedy(prompt, 60)
     assert engine.scheduler.num_preemptions > 0
-    bm = engine.executor.block_manager
+    bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
 
@@ -116,7 +116,7 @@ def test_abort_frees_pages_and_bad_input_is_rejected():
     engine.abort(rid)
     while engine.scheduler.has_work:
         engine.step()
-    bm = engine.executor.block_manager
+    bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
     with pytest.raises(EngineError, match="context"):
         engine.add_request([3] * 200, SamplingParams())
@@ -128,7 +128,7 @@ def test_abort_frees_pages_and_bad_input_is_rejected():
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
     engine = make_engine()
-    real_run = engine.executor.run
+    real_run = engine.executor.execute
     calls = {"n": 0}
 
     def flaky(plan):  # fault injection at the executor boundary, once
@@ -137,7 +137,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
             raise RuntimeError("injected device failure")
         return real_run(plan)
 
-    engine.executor.run = flaky
+    engine.executor.execute = flaky
     rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
     outs = []
     while engine.has_unfinished:
@@ -146,13 +146,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
     ok = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0,
                                                       ignore_eos=True)])[0]
     assert ok.outputs[0].token_ids == solo_greedy([5, 6, 7], 4)
-    bm = engine.executor.block_manager
+    bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
 
 def test_engine_uses_the_fitted_profile_for_its_mesh(tmp_path, monkeypatch):
-    from conflux_jax.scheduler import latency
-    from conflux_jax.scheduler.latency import Affine, LatencyModel
+    from conflux_jax.latency import Affine, LatencyModel
+    from conflux_jax.latency import coeffs as latency
 
     monkeypatch.setattr(latency, "COEFFS_DIR", tmp_path)
     fitted = LatencyModel(num_layers=TINY_LLAMA.num_layers, num_ranks=4, gemm=Affine(3e-5, 1e-3),

@@ -19,27 +19,24 @@ from pathlib import Path
 import numpy as np
 
 
-def _random_plan(ex, rng: np.random.Generator, kind: str, max_ctx: int, max_chunk: int,
-                 max_decodes: int, vocab: int):
-    """Register random requests with the executor and return a plan over them."""
-    from conflux_jax.executor.base import DecodeSlot, IterationPlan, PrefillPiece
-    from conflux_jax.executor.jax_executor import SequenceData
-    from conflux_jax.sampling import SamplingParams
+def _random_plan(ex, bm, rng: np.random.Generator, kind: str, max_ctx: int,  # noqa: ANN001
+                 max_chunk: int, max_decodes: int, vocab: int):
+    """A random plan over new requests whose pages ``bm`` allocates (free with
+    :func:`_release`). KV contents do not matter for timing, only the lengths."""
+    from conflux_jax.plan import DecodeSlot, IterationPlan, PrefillPiece
 
     n = ex.num_ranks
-    bm = ex.block_manager
-    greedy = SamplingParams(temperature=0)
-    slots, pieces, kv_lens = [], [], {}
+    slots, pieces = [], []
+    rid = 0
     if kind in ("decode", "mixed"):
         for r in range(n):
             for _ in range(int(rng.integers(0 if kind == "mixed" else 1, max_decodes + 1))):
-                rid = len(ex.sequences)
                 ctx = int(rng.integers(1, max_ctx))
-                ex.sequences[rid] = SequenceData(
-                    rng.integers(3, vocab, ctx + 1).tolist(), ctx, greedy, rid)
-                bm.transition(rid, r, ctx + 1)  # KV contents do not matter for timing
-                slots.append(DecodeSlot(rid, r))
-                kv_lens[rid] = ctx
+                ids = rng.integers(3, vocab, ctx + 1).tolist()
+                bm.transition(rid, r, ctx + 1)
+                slots.append(DecodeSlot(rid, r, position=ctx, token_id=ids[-1],
+                                        pages=bm.decode_pages(rid)))
+                rid += 1
     if kind in ("prefill", "mixed"):
         room = ex.exec_config.buckets.max_tokens
         load = [0] * n
@@ -54,14 +51,14 @@ def _random_plan(ex, rng: np.random.Generator, kind: str, max_ctx: int, max_chun
             while counts.sum() < length:  # top up the ranks that still have room
                 r = int(rng.choice([i for i in range(n) if counts[i] < free[i]]))
                 counts[r] += 1
-            rid = len(ex.sequences)
-            ex.sequences[rid] = SequenceData(
-                rng.integers(3, vocab, history + length).tolist(), history + length, greedy,
-                rid)
+            ids = rng.integers(3, vocab, history + length).tolist()
             bm.allocate_prefill(rid, history + length)
-            pieces.append(PrefillPiece(rid, history, tuple(int(c) for c in counts)))
+            pieces.append(PrefillPiece(rid, history, tuple(int(c) for c in counts),
+                                       token_ids=tuple(ids[history:]),
+                                       pages=bm.prefill_pages(rid)))
             load = [a + int(c) for a, c in zip(load, counts, strict=True)]
-    return IterationPlan(tuple(pieces), tuple(slots), 0.0), kv_lens
+            rid += 1
+    return IterationPlan(tuple(pieces), tuple(slots), 0.0)
 
 
 def _timed(ex, plan) -> float:
@@ -70,7 +67,7 @@ def _timed(ex, plan) -> float:
     gc.disable()
     try:
         t = time.perf_counter()
-        ex.run(plan)
+        ex.execute(plan)
         return time.perf_counter() - t
     finally:
         gc.enable()
@@ -80,26 +77,29 @@ def _reduce(times: list[float], statistic: str) -> float:
     return min(times) if statistic == "min" else statistics.median(times)
 
 
-def _release(ex, plan) -> None:
-    for rid in {*(p.request_id for p in plan.prefill), *(d.request_id for d in plan.decode)}:
-        ex.block_manager.free(rid)
-        del ex.sequences[rid]
+def _release(bm, plan) -> None:  # noqa: ANN001
+    for rid in set(plan.request_ids):
+        bm.free(rid)
 
 
 def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx: int,
-            max_chunk: int, max_decodes: int, progress: bool = True, statistic: str = "min"):
+            max_chunk: int, max_decodes: int, progress: bool = True, statistic: str = "min",
+            blocks=None):  # noqa: ANN001
     """Time ``num_train + num_test`` random batches, ``repeats`` times each, in rounds.
 
     Batches are timed in random order (a machine whose speed drifts would otherwise time
     every held-out batch after every training batch and bias the MAPE), and a batch's
     repeats are spread over the run, one per round (back-to-back repeats all fall into
     the same slow phase of a shared machine; across rounds the fastest escapes it). Each
-    batch is drawn from its own seed, so every round re-creates it exactly.
+    batch is drawn from its own seed, so every round re-creates it exactly. ``blocks``
+    (a :class:`BlockManager` for the executor's KV pool) allocates the batches' pages.
     """
     from tqdm.auto import tqdm
 
-    from conflux_jax.scheduler.latency import BatchShape, ProfileSample
+    from conflux_jax.latency import BatchShape, ProfileSample
+    from conflux_jax.scheduler.block_manager import BlockManager
 
+    bm = blocks or BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size)
     vocab = ex.model_config.vocab_size
     kinds = ["decode", "prefill", "mixed"]
     jobs = [("train", kinds[i % 3]) for i in range(num_train)] + \
@@ -110,13 +110,13 @@ def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx:
     bar = tqdm(total=repeats * len(jobs), desc="profiling", disable=not progress)
     for rnd in range(repeats):
         for j, (_, kind) in enumerate(jobs):
-            plan, kv_lens = _random_plan(ex, np.random.default_rng([seed, j]), kind, max_ctx,
-                                         max_chunk, max_decodes, vocab)
+            plan = _random_plan(ex, bm, np.random.default_rng([seed, j]), kind, max_ctx,
+                                max_chunk, max_decodes, vocab)
             if rnd == 0:
-                ex.run(plan)  # first run may compile
-                shapes[j] = BatchShape.from_plan(plan, kv_lens, ex.num_ranks)
+                ex.execute(plan)  # first run may compile
+                shapes[j] = BatchShape.from_plan(plan, ex.num_ranks)
             times[j].append(_timed(ex, plan))
-            _release(ex, plan)
+            _release(bm, plan)
             bar.update()
     bar.close()
     samples: dict[str, list] = {"train": [], "test": []}
@@ -138,7 +138,7 @@ def build_executor(model: str, mesh: str, max_context: int):
     ec = ExecutorConfig(mesh=mesh, page_size=16, num_pages=512,
                         max_model_len=max_context + 16,
                         buckets=BucketConfig(**PROFILE_BUCKETS))
-    ex = JaxExecutor(ckpt.config, ckpt.params, ec, sequences={})
+    ex = JaxExecutor(ckpt.config, ckpt.params, ec)
     ex.warmup()
     return ex
 
@@ -155,13 +155,13 @@ def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
         "mesh": args.mesh, "token_buckets": list(ex.exec_config.buckets.tokens),
         "repeats": args.repeats, "statistic": args.statistic,
         "timing": "shuffled order, one repeat per batch per round",
-        # Simulated CPU devices time-share the host's cores (see latency.py).
+        # Simulated CPU devices time-share the host's cores (see latency/model.py).
         "shared_cores": ex.mesh.devices.flat[0].platform == "cpu" and ex.num_ranks > 1}
 
 
 def _load_samples(path: Path) -> tuple[list, list, dict]:
     """The samples and setup of an earlier ``--profile --json`` run."""
-    from conflux_jax.scheduler.latency import BatchShape, ProfileSample
+    from conflux_jax.latency import BatchShape, ProfileSample
 
     saved = json.loads(path.read_text())
     groups: dict[str, list] = {"train": [], "test": []}
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("nothing to do: pass --profile or --from-samples JSON")
 
     from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
-    from conflux_jax.scheduler.latency import coeffs_path, fit, mape, profile_name
+    from conflux_jax.latency import coeffs_path, fit, mape, profile_name
 
     simulate_cpu_devices(devices_named_by(args.mesh, 4))  # as the server runs this mesh
     if args.from_samples:

@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from conflux_jax import slo
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -43,8 +45,7 @@ class RequestResult:
     def meets_deadlines(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         if not self.success or not self.token_times:
             return False
-        return all(t - self.send_s <= ttft_slo_s + i * tbt_slo_s + 1e-9
-                   for i, t in enumerate(self.token_times))
+        return slo.all_on_time(self.token_times, self.send_s, ttft_slo_s, tbt_slo_s)
 
 
 def _stats(name: str, values_s: list[float]) -> dict[str, float]:

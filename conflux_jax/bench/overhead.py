@@ -19,8 +19,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from conflux_jax.bench.workloads import toolagent_like
-from conflux_jax.scheduler.policies import SLOS, InstanceSpec, build_instance
 from conflux_jax.scheduler.request import Request
+from conflux_jax.sim.policies import SLOS, InstanceSpec, build_instance
 
 PAPER_MS = {10: (0.36, 0.05), 50: (0.47, 0.05), 100: (0.56, 0.05), 500: (1.04, 0.05)}
 
@@ -44,18 +44,18 @@ def measure(depth: int, decodes: int = 128, steps: int = 100, warmup: int = 10,
     for _ in range(decodes):
         assert sched.add(new_request(0.0, prompt=rng.randint(1000, 8000), out=50_000))
     while sched.num_pending:
-        plan = sched.schedule(ex.now)
+        plan = sched.schedule(ex.now())
         sched.commit(plan, ex.execute(plan))
     base_decodes = set(sched.decode_ranks())
     for _ in range(depth):
-        sched.add(new_request(ex.now))
+        sched.add(new_request(ex.now()))
     times: list[float] = []
     # Long-lived setup objects go to the permanent generation, as a serving process
     # would do after warm-up, so full collections do not land inside timed steps.
     gc.collect()
     gc.freeze()
     for step in range(warmup + steps):
-        now = ex.now
+        now = ex.now()
         t0 = time.perf_counter()
         plan = sched.schedule(now)
         dt = time.perf_counter() - t0
@@ -65,7 +65,7 @@ def measure(depth: int, decodes: int = 128, steps: int = 100, warmup: int = 10,
         for rid in set(sched.decode_ranks()) - base_decodes:
             sched.abort(rid)  # keep exactly the resident decodes
         while sched.num_pending < depth:
-            assert sched.add(new_request(ex.now))
+            assert sched.add(new_request(ex.now()))
     gc.unfreeze()
     return times
 

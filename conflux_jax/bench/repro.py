@@ -1,6 +1,6 @@
 """``python -m conflux_jax.bench repro``: the paper's Table 2 and Fig. 12 in simulation.
 
-Both use the H100 roofline latency model (:mod:`conflux_jax.scheduler.roofline`), so
+Both use the H100 roofline latency model (:mod:`conflux_jax.latency.roofline`), so
 the numbers are what the model predicts for hardware we do not have, printed beside the
 paper's measured ones.
 
@@ -30,11 +30,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from conflux_jax.bench.workloads import at_rate, load_workload, toolagent_like
-from conflux_jax.scheduler.baselines import MuxLatency
-from conflux_jax.scheduler.policies import SLOS, InstanceSpec, run_policy
-from conflux_jax.scheduler.roofline import MODELS, roofline_model
-
-TARGET = 0.95
+from conflux_jax.latency import attention_work
+from conflux_jax.latency.roofline import MODELS, roofline_model
+from conflux_jax.sim.baselines import MuxLatency
+from conflux_jax.sim.policies import SLOS, InstanceSpec, run_policy
+from conflux_jax.slo import ATTAINMENT_TARGET as TARGET
 
 # ---- Table 2 ---------------------------------------------------------------------------
 TABLE2_PAPER = {  # req/s; columns in the paper's order (§3.3 text names them in order)
@@ -64,7 +64,7 @@ def table2(num_prompts: int = 20000, seed: int = 0, model: str = "qwen3-14b",
     mean_len = sum(lens) / len(lens)
     # Causal attention work per prefill token, sum l(l+1)/2 / sum l: chunking does not
     # change a prompt's total, so the fluid limit prices each token at the mean.
-    work_per_tok = sum(x * (x + 1) / 2 for x in lens) / sum(lens)
+    work_per_tok = sum(attention_work(x, 0) for x in lens) / sum(lens)
     d = TABLE2_DECODES
     sp = min(gpus, 4)
     xp = roofline_model(model, hardware, sp=sp, tp=gpus // sp)

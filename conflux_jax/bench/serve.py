@@ -25,6 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from conflux_jax import slo
 from conflux_jax.bench.metrics import RequestResult, format_summary, summarize
 from conflux_jax.bench.serve_workload import (
     LengthScaling,
@@ -34,8 +35,8 @@ from conflux_jax.bench.serve_workload import (
     percentiles,
     synthesize,
 )
+from conflux_jax.slo import ATTAINMENT_TARGET as TARGET
 
-TARGET = 0.95
 Runner = Callable[[list[ServeRequest]], list[RequestResult]]
 
 
@@ -188,8 +189,8 @@ def sweep(run: Callable[[list[ServeRequest]], tuple[list[RequestResult], float]]
 
 
 def goodput(per_rate: dict[float, dict], target: float = TARGET) -> float:
-    ok = [r for r, m in per_rate.items() if m["deadline_attainment"] >= target]
-    return max(ok, default=0.0)
+    return slo.goodput(list(per_rate), [m["deadline_attainment"] for m in per_rate.values()],
+                       target)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """``python -m conflux_jax.bench sim``: simulated SLO attainment and goodput per policy.
 
-Every policy of :mod:`conflux_jax.scheduler.policies` runs the same workload through the
+Every policy of :mod:`conflux_jax.sim.policies` runs the same workload through the
 simulated executor (roofline latency model unless ``--coeffs`` gives fitted ones) at
 each arrival rate. A request complies iff its i-th token arrives by
 ``arrival + TTFT_SLO + (i-1) * TBT_SLO``; goodput is the highest swept rate with at
@@ -17,27 +17,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from conflux_jax import slo
 from conflux_jax.bench.workloads import (
     GENERATED,
     at_rate,
     load_trace_hashes,
     load_workload,
 )
-from conflux_jax.scheduler.policies import POLICIES, SLOS, InstanceSpec, run_policy
-from conflux_jax.scheduler.roofline import MODELS
+from conflux_jax.latency.roofline import MODELS
+from conflux_jax.sim.policies import POLICIES, SLOS, InstanceSpec, run_policy
+from conflux_jax.slo import ATTAINMENT_TARGET as TARGET
 
 DEFAULT_RATES = {
     "llama3.1-8b": [2, 4, 6, 8, 10, 12, 14, 16, 18, 20],
     "qwen3-14b": [2, 3, 4, 5, 6, 7, 8, 9, 10, 12],
     "qwen3-32b": [1, 2, 3, 4, 5, 6, 7, 8],
 }
-TARGET = 0.95
-
-
-def goodput(rates: list[float], attainment: list[float], target: float = TARGET) -> float:
-    """Highest swept rate whose attainment meets ``target`` (0 if none)."""
-    ok = [r for r, a in zip(rates, attainment, strict=True) if a >= target]
-    return max(ok) if ok else 0.0
 
 
 def run_one(policy: str, model: str, hardware: str, gpus: int, reqs: list,
@@ -114,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                       ttft, tbt, args.coeffs)
         results[policy].append({"rate": rate, **row})
     elapsed = time.time() - t0
-    good = {p: goodput(rates, [r["attainment"] for r in rows]) for p, rows in results.items()}
+    good = {p: slo.goodput(rates, [r["attainment"] for r in rows]) for p, rows in results.items()}
 
     cache = ", prefix cache" if args.prefix_cache else ""
     title = (f"{args.model} on {args.gpus}x {args.hardware}, {args.trace}{cache}, "

@@ -36,14 +36,15 @@ class Checkpoint:
     source: str
 
 
-def load_checkpoint(spec: str | Path, dtype: Any = "float32", *,
-                    progress: bool = False) -> Checkpoint:
+def load_checkpoint(spec: str | Path, dtype: Any = "float32", *, progress: bool = False,
+                    checkpoint_dir: str | Path | None = None) -> Checkpoint:
     """Load ``spec`` (see module doc) with parameters in ``dtype``
-    (``"float32"`` | ``"bfloat16"`` | ``"float16"``)."""
+    (``"float32"`` | ``"bfloat16"`` | ``"float16"``). ``checkpoint_dir`` is the store the
+    default model is converted into and read from (default: see ``resolve_store``)."""
     dt = resolve_dtype(dtype)
     try:
         if isinstance(spec, str) and spec == DEFAULT_SPEC:
-            path = ensure_default_checkpoint()
+            path = ensure_default_checkpoint(checkpoint_dir)
             config, params, tokenizer, _ = load_orbax(path, dt)
             return _finish(config, params, tokenizer, str(path))
         path = Path(spec).expanduser()

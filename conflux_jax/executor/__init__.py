@@ -1,22 +1,7 @@
-"""Executors: the plan/executor contract, the KV block manager and the simulator."""
+"""The real executor: runs ``IterationPlan``s on a device mesh (typed batch layout, the
+``shard_map`` Conflux step, fixed-shape buckets, AOT warm-up, compile cache and guard).
 
-from conflux_jax.executor.base import (
-    PLAN_MODES,
-    DecodeSlot,
-    Executor,
-    IterationPlan,
-    KVSpec,
-    PrefillPiece,
-    StepResult,
-)
-from conflux_jax.executor.block_manager import (
-    BlockManager,
-    BlockManagerError,
-    OutOfPagesError,
-    PageTable,
-)
-
-__all__ = [
-    "PLAN_MODES", "BlockManager", "BlockManagerError", "DecodeSlot", "Executor",
-    "IterationPlan", "KVSpec", "OutOfPagesError", "PageTable", "PrefillPiece", "StepResult",
-]
+It reads nothing but the plan. Import :mod:`conflux_jax.executor.jax_executor` for
+:class:`JaxExecutor`; this package's ``__init__`` stays free of JAX so that importing a
+light submodule (``buckets``, ``mesh``) does not start a backend.
+"""

@@ -1,13 +1,16 @@
-"""The step's input arrays: fixed shapes, built on the host from an ``IterationPlan``.
+"""The step's device boundary: one input PyTree and one output PyTree, fixed shapes.
 
-Per-rank arrays have a leading ``[N]`` axis sharded over ``sp``; the prefill attention
-metadata is the same on every rank (after the all-to-all each rank holds every prefill
-token for its head shard) and is replicated. Shapes use: N ranks, T token slots, P prefill
-slots, D decode slots, S prefill sequences, R = D + S sampling rows, Wd / Wp page-table
-widths (decode / prefill view), X transfer page groups.
+Inputs are grouped by sharding: :class:`RankInputs` (a leading ``[N]`` axis sharded over
+``sp``: every rank's own tokens, KV slots and sampling rows) and :class:`SharedInputs`
+(replicated: after the all-to-all every rank holds every prefill token for its head shard,
+so the prefill attention metadata is the same everywhere). :meth:`StepBatch.padding` is
+the one constructor; the host fills its numpy arrays in place and sends the whole tree
+with one ``device_put``. Shapes use: N ranks, T token slots, P prefill slots, D decode
+slots, S prefill sequences, R = D + S sampling rows, Wd / Wp page-table widths (decode /
+prefill view), X transfer page groups, K top logprobs, V vocabulary.
 
 Padding conventions: KV slots ``-1`` never write; buffer indices ``T`` are dropped on
-scatter; page ids ``num_pages`` are dropped on the transfer scatter.
+scatter; transfer destination page ids ``num_pages`` are dropped.
 """
 
 from __future__ import annotations
@@ -16,12 +19,40 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from conflux_jax.executor.buckets import StepShape
+from conflux_jax.executor.mesh import SP
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """The static sizes of an executor that a step shape does not carry."""
+
+    num_ranks: int  # N
+    max_prefill_seqs: int  # S when the step has prefill
+    prefill_pages_per_seq: int  # Wp
+    num_pages: int  # pages per rank (the dropped transfer destination)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StepBatch:
-    # --- per rank, sharded over sp -----------------------------------------------------
+class SampleRows:
+    """Per rank: which buffer rows are sampled, and how."""
+
+    index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
+    temperature: jax.Array  # f32[N, R]
+    top_k: jax.Array  # i32[N, R]
+    top_p: jax.Array  # f32[N, R]
+    seed: jax.Array  # u32[N, R]
+    step: jax.Array  # i32[N, R]  output index being sampled (per-request key)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RankInputs:
+    """Per rank, sharded over ``sp``."""
+
     tokens: jax.Array  # i32[N, T]   prefill tokens, then decode tokens, then padding
     positions: jax.Array  # i32[N, T]   absolute position of each token
     decode_index: jax.Array  # i32[N, D]   buffer index of each decode slot (pad: T)
@@ -33,52 +64,84 @@ class StepBatch:
     prefill_pages: jax.Array  # i32[N, S, Wp] prefill-view page table (per-rank page ids)
     transfer_src: jax.Array  # i32[N, X]   prefill-view pages to move (one page group each)
     transfer_dst: jax.Array  # i32[N, X*N] decode-view destination pages here (pad: pages)
-    sample_index: jax.Array  # i32[N, R]   buffer index whose logits are sampled
-    temperature: jax.Array  # f32[N, R]
-    top_k: jax.Array  # i32[N, R]
-    top_p: jax.Array  # f32[N, R]
-    seed: jax.Array  # u32[N, R]
-    sample_step: jax.Array  # i32[N, R]   output index being sampled (per-request key)
-    # --- replicated ---------------------------------------------------------------------
-    prefill_perm: jax.Array  # i32[N*P] kernel order -> all-to-all buffer index
-    prefill_inverse: jax.Array  # i32[N*P] all-to-all buffer index -> kernel order
-    prefill_cu_q_lens: jax.Array  # i32[S+1]
-    prefill_kv_lens: jax.Array  # i32[S]
-    prefill_num_seqs: jax.Array  # i32[1]
+    sample: SampleRows
 
 
-PER_RANK_FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch)
-                        if not f.name.startswith("prefill_") or f.name in
-                        ("prefill_slot", "prefill_pages"))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedInputs:
+    """Prefill attention metadata, replicated on every rank."""
+
+    perm: jax.Array  # i32[N*P] kernel order -> all-to-all buffer index
+    inverse: jax.Array  # i32[N*P] all-to-all buffer index -> kernel order
+    cu_q_lens: jax.Array  # i32[S+1]
+    kv_lens: jax.Array  # i32[S]
+    num_seqs: jax.Array  # i32[1]
 
 
-def zeros_like_shapes(n: int, t: int, p: int, d: int, s: int, wd: int, wp: int,
-                      x: int) -> dict[str, np.ndarray]:
-    """Host buffers for one step shape, filled with padding values."""
-    s = s if p else 1  # no prefill slice: no prefill sequences, and no sampling rows for them
-    r = d + s
-    i32 = np.int32
-    return {
-        "tokens": np.zeros((n, t), i32),
-        "positions": np.zeros((n, t), i32),
-        "decode_index": np.full((n, d), t, i32),
-        "decode_slot": np.full((n, d), -1, i32),
-        "decode_kv_len": np.zeros((n, d), i32),
-        "decode_pages": np.zeros((n, d, wd), i32),
-        "num_decode": np.zeros((n,), i32),
-        "prefill_slot": np.full((n, n * p), -1, i32),
-        "prefill_pages": np.zeros((n, s, wp), i32),
-        "transfer_src": np.zeros((n, x), i32),
-        "transfer_dst": np.zeros((n, x * n), i32),  # caller sets the OOB pad value
-        "sample_index": np.zeros((n, r), i32),
-        "temperature": np.zeros((n, r), np.float32),
-        "top_k": np.zeros((n, r), i32),
-        "top_p": np.ones((n, r), np.float32),
-        "seed": np.zeros((n, r), np.uint32),
-        "sample_step": np.zeros((n, r), i32),
-        "prefill_perm": np.arange(n * p, dtype=i32),
-        "prefill_inverse": np.arange(n * p, dtype=i32),
-        "prefill_cu_q_lens": np.zeros((s + 1,), i32),
-        "prefill_kv_lens": np.zeros((s,), i32),
-        "prefill_num_seqs": np.zeros((1,), i32),
-    }
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Everything one step reads besides the weights and the KV pools."""
+
+    rank: RankInputs
+    shared: SharedInputs
+
+    @classmethod
+    def padding(cls, shape: StepShape, layout: BatchLayout) -> StepBatch:
+        """Host (numpy) buffers for one step shape, every slot holding its padding value."""
+        n, t, p, d = layout.num_ranks, shape.tokens, shape.prefill, shape.decode
+        # No prefill slice: no prefill sequences, and no sampling rows for them.
+        s = layout.max_prefill_seqs if p else 1
+        r, x = d + s, shape.transfer
+        i32 = np.int32
+        sample = SampleRows(
+            index=np.zeros((n, r), i32), temperature=np.zeros((n, r), np.float32),
+            top_k=np.zeros((n, r), i32), top_p=np.ones((n, r), np.float32),
+            seed=np.zeros((n, r), np.uint32), step=np.zeros((n, r), i32))
+        rank = RankInputs(
+            tokens=np.zeros((n, t), i32), positions=np.zeros((n, t), i32),
+            decode_index=np.full((n, d), t, i32), decode_slot=np.full((n, d), -1, i32),
+            decode_kv_len=np.zeros((n, d), i32),
+            decode_pages=np.zeros((n, d, shape.decode_pages), i32),
+            num_decode=np.zeros((n,), i32), prefill_slot=np.full((n, n * p), -1, i32),
+            prefill_pages=np.zeros((n, s, layout.prefill_pages_per_seq), i32),
+            transfer_src=np.zeros((n, x), i32),
+            transfer_dst=np.full((n, x * n), layout.num_pages, i32), sample=sample)
+        shared = SharedInputs(
+            perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
+            cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),
+            num_seqs=np.zeros((1,), i32))
+        return cls(rank, shared)
+
+    @staticmethod
+    def specs() -> StepBatch:
+        """The sharding of every field: per-rank arrays over ``sp``, the rest replicated."""
+        per_rank, replicated = P(SP), P()
+        return StepBatch(
+            rank=RankInputs(**{f.name: per_rank for f in dataclasses.fields(RankInputs)
+                               if f.name != "sample"},
+                            sample=SampleRows(*[per_rank] * len(dataclasses.fields(SampleRows)))),
+            shared=SharedInputs(*[replicated] * len(dataclasses.fields(SharedInputs))))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampledRows:
+    """What the step sampled, per rank and sampling row."""
+
+    tokens: jax.Array  # i32[N, R]
+    logprobs: jax.Array  # f32[N, R]
+    top_ids: jax.Array  # i32[N, R, K]
+    top_logprobs: jax.Array  # f32[N, R, K]
+    logits: jax.Array | None = None  # f32[N, R, V] (tests: ``return_logits``)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """The step's result: the updated (donated) KV pools and the sampled rows."""
+
+    k_pool: jax.Array  # f[N, L, pages, page_size, Hkv, d]
+    v_pool: jax.Array  # f[N, L, pages, page_size, Hkv, d]
+    sampled: SampledRows

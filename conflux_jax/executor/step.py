@@ -11,7 +11,7 @@ Per rank and per layer (DESIGN.md §3, paper §4):
    the rank's own decode requests.
 4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
 
-The function is pure: ``(params, kv_pool, batch) -> (kv_pool, sampled)``, KV donated.
+The function is pure: ``(params, k_pool, v_pool, StepBatch) -> StepOutputs``, KV donated.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.executor.batch import PER_RANK_FIELDS, StepBatch
+from conflux_jax.executor.batch import RankInputs, SampledRows, StepBatch, StepOutputs
 from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params
@@ -75,21 +75,16 @@ def param_specs(params: Params) -> Params:
     return out
 
 
-def batch_specs() -> StepBatch:
-    fields = {f.name: (P(SP) if f.name in PER_RANK_FIELDS else P())
-              for f in dataclasses.fields(StepBatch)}
-    return StepBatch(**fields)
-
-
 def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.Array,
-               b: StepBatch):
+               batch: StepBatch) -> StepOutputs:
     """Body run on every device. Per-rank arrays arrive with a leading axis of size 1."""
     n, ps = cfg.num_ranks, cfg.page_size
-    b = dataclasses.replace(b, **{name: getattr(b, name)[0] for name in PER_RANK_FIELDS})
+    b = jax.tree.map(lambda a: a[0], batch.rank)  # this rank's inputs
+    meta = batch.shared
     k_pool, v_pool = k_pool[0], v_pool[0]  # f[L, pages, ps, Hkv_local, d]
     model = Decoder(cfg.model, params)
     t = b.tokens.shape[0]
-    p = b.prefill_perm.shape[0] // n
+    p = meta.perm.shape[0] // n
     d_slots = b.decode_index.shape[0]
     x_groups = b.transfer_src.shape[0]
     decode_cu = jnp.arange(d_slots + 1, dtype=jnp.int32)
@@ -105,7 +100,7 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
         if p:
             def to_heads(a):  # [P, H, d] -> [N*P, H/N, d] in kernel order
                 a = jax.lax.all_to_all(a[:p], SP, split_axis=1, concat_axis=0, tiled=True)
-                return a[b.prefill_perm]
+                return a[meta.perm]
 
             qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
             kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
@@ -121,9 +116,8 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
         out = jnp.zeros_like(q)
         if p:
             o = attn(qa, _layers_as_pages(kp, view), _layers_as_pages(vp, view),
-                     b.prefill_kv_lens, b.prefill_pages + base, b.prefill_cu_q_lens,
-                     b.prefill_num_seqs)
-            o = jax.lax.all_to_all(o[b.prefill_inverse], SP, split_axis=0, concat_axis=1,
+                     meta.kv_lens, b.prefill_pages + base, meta.cu_q_lens, meta.num_seqs)
+            o = jax.lax.all_to_all(o[meta.inverse], SP, split_axis=0, concat_axis=1,
                                    tiled=True)  # [P, Hq_l, d], sequence-sharded again
             out = out.at[:p].set(o)
         od = attn(q[idx], _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:]),
@@ -134,12 +128,14 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     x = model.embed_tokens(b.tokens)
     tp_axis = TP if cfg.tp > 1 else None
     x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis)
-    logits = model.logits(x[b.sample_index])  # f32[R, V]
+    rows = b.sample
+    logits = model.logits(x[rows.index])  # f32[R, V]
     tokens, logprobs, top_ids, top_lps = sample(
-        logits, b.temperature, b.top_k, b.top_p, b.seed, b.sample_step, cfg.num_top_logprobs)
-    out = (k_pool[None], v_pool[None], tokens[None], logprobs[None], top_ids[None],
-           top_lps[None])
-    return (*out, logits[None]) if cfg.return_logits else out
+        logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
+        cfg.num_top_logprobs)
+    sampled = SampledRows(tokens, logprobs, top_ids, top_lps,
+                          logits if cfg.return_logits else None)
+    return StepOutputs(k_pool[None], v_pool[None], jax.tree.map(lambda a: a[None], sampled))
 
 
 def _write_stacked(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array,
@@ -170,7 +166,7 @@ def _layers_as_pages(pool: jax.Array, view: tuple[int, ...]) -> jax.Array:
 
 
 def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base: jax.Array,
-              b: StepBatch, n: int) -> jax.Array:
+              b: RankInputs, n: int) -> jax.Array:
     """Move completed prefills' head-sharded KV into full-head pages on their decode rank.
 
     prefill_pages f[L*pages, ps*N, Hkv/N, d] (all layers, prefill view; this layer's pages
@@ -187,11 +183,13 @@ def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base:
 
 
 def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params):
-    """The jitted step: (params, k_pool, v_pool, batch) -> (k_pool, v_pool, sampled...)."""
+    """The jitted step: (params, k_pool, v_pool, StepBatch) -> StepOutputs."""
     body = functools.partial(_rank_step, cfg)
+    rows = P(SP)
+    out_specs = StepOutputs(KV_POOL_SPEC, KV_POOL_SPEC, SampledRows(
+        rows, rows, rows, rows, rows if cfg.return_logits else None))
     mapped = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, batch_specs()),
-        out_specs=(KV_POOL_SPEC, KV_POOL_SPEC) + (P(SP),) * (5 if cfg.return_logits else 4),
-        check_vma=False)
+        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, StepBatch.specs()),
+        out_specs=out_specs, check_vma=False)
     return jax.jit(mapped, donate_argnums=(1, 2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from conflux_jax.executor.base import DecodeSlot
+from conflux_jax.plan import GREEDY, SamplingSpec
 
 Phase = Literal["waiting", "prefill", "decode", "done"]
 
@@ -18,6 +18,8 @@ class Request:
     server's per-request SLO extension); None = the instance default.
     ``cached_prefix``: leading prompt tokens whose KV a prefix cache already holds, so
     they are never prefilled (only the simulator sets it; at least one token is left).
+    ``prompt_token_ids`` and ``sampling`` travel into the plans (the executor reads
+    nothing else); simulated requests have no token ids.
     """
 
     id: int
@@ -27,12 +29,17 @@ class Request:
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
     cached_prefix: int = 0
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: SamplingSpec = GREEDY
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1:
             raise ValueError(f"request {self.id}: prompt_len and max_new_tokens must be >= 1")
         if not 0 <= self.cached_prefix < self.prompt_len:
             raise ValueError(f"request {self.id}: cached_prefix must be in [0, prompt_len)")
+        if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"request {self.id}: {len(self.prompt_token_ids)} prompt token ids "
+                             f"for prompt_len {self.prompt_len}")
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -50,11 +57,27 @@ class RequestState:
     rank: int = -1
     phase: Phase = "waiting"
     preemptions: int = 0
-    slot: DecodeSlot | None = None
+    pages: tuple[int, ...] = ()  # decode-view page ids (the block manager's snapshot)
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # sampled so far
 
     @property
     def id(self) -> int:
         return self.req.id
+
+    @property
+    def last_token(self) -> int:
+        """The token a decode slot feeds: the last one sampled (0 in simulation)."""
+        return self.output_ids[-1] if self.output_ids else 0
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Prompt-plus-output tokens ``[start, end)`` (recompute prefills cover outputs
+        too); empty for simulated requests, which carry no token ids."""
+        prompt = self.req.prompt_token_ids
+        if not prompt:
+            return ()
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (*prompt, *self.output_ids)[start:end]
 
     @property
     def remaining(self) -> int:

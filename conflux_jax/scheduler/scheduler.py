@@ -7,6 +7,10 @@ Every iteration the caller does::
     result = executor.execute(plan)
     finished = sched.commit(plan, result)
 
+(:class:`~conflux_jax.engine.core.EngineCore` is that loop.) Plans carry everything an
+executor reads: token ids (the scheduler keeps each request's sampled tokens, as vLLM's
+``Request`` does), page ids and sampling parameters.
+
 Guarantees:
 * stall-free decode: every resident decode is in every ``conflux``/``tp_chunked`` plan
   (isolated plans alternate phases by design);
@@ -27,11 +31,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from conflux_jax.executor.base import DecodeSlot, IterationPlan, PrefillPiece, StepResult
-from conflux_jax.executor.block_manager import BlockManager
+from conflux_jax.latency import LatencyModel, attention_work
+from conflux_jax.plan import DecodeSlot, IterationPlan, PrefillPiece, StepResult
 from conflux_jax.scheduler.admission import moore_hodgson
+from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
-from conflux_jax.scheduler.latency import LatencyModel
 from conflux_jax.scheduler.placement import place_decode
 from conflux_jax.scheduler.request import Request, RequestState
 from conflux_jax.scheduler.waterfill import Dispatcher, waterfill_assign
@@ -187,6 +191,7 @@ class Scheduler:
         self._inflight = False
         finished: list[int] = []
         bm = self.blocks
+        sampled = None if result is None else result.sampled
         states = self._states
         for p in plan.prefill:
             st = states.get(p.request_id)
@@ -202,11 +207,13 @@ class Scheduler:
                 st.rank = rank
                 st.kv_len = st.prefilled
                 st.kv_cap = bm.decode_pages_for(st.prefilled + 1) * bm.page_size
-                st.slot = DecodeSlot(rid, rank)
+                st.pages = bm.decode_pages(rid)
                 self._decodes[rid] = st
                 self._n_d[rank] += 1
                 self._ctx[rank] += st.kv_len
                 st.generated += 1
+                if sampled is not None:
+                    st.output_ids.append(sampled[rid].token)
                 if st.generated >= st.req.max_new_tokens:
                     finished.append(rid)
         ctx = self._ctx
@@ -218,6 +225,8 @@ class Scheduler:
             st.kv_len += 1
             ctx[d.rank] += 1
             st.generated += 1
+            if sampled is not None:
+                st.output_ids.append(sampled[d.request_id].token)
             if st.generated >= st.req.max_new_tokens:
                 finished.append(d.request_id)
         for rid in finished:
@@ -241,7 +250,10 @@ class Scheduler:
                     break
             if st.phase == "decode":
                 st.kv_cap += ps * len(bm.append_decode(st.id, st.kv_len + 1))
-        return tuple(st.slot for st in self._decodes.values())  # type: ignore[misc]
+                st.pages = bm.decode_pages(st.id)
+        return tuple(DecodeSlot(st.id, st.rank, st.kv_len, st.last_token, st.pages,
+                                st.req.sampling, st.generated)
+                     for st in self._decodes.values())
 
     def _victim(self, rank: int, exclude: Iterable[int] = ()) -> RequestState:
         """Latest-arrived request holding pages on ``rank`` (decode there, or prefill)."""
@@ -271,7 +283,7 @@ class Scheduler:
         st.kv_len = st.kv_cap = 0
         st.prefilled = st.req.cached_prefix  # the cache still holds the prefix
         st.rank = -1
-        st.slot = None
+        st.pages = ()
         st.preemptions += 1
         self.num_preemptions += 1
         preempted.append(st.id)
@@ -288,6 +300,7 @@ class Scheduler:
         elif order == "srpt":
             cands.sort(key=lambda s: (s.remaining, s.req.arrival_s, s.id))
         else:
+            # Alg. 1 lines 2-4: B0 with no candidate, Moore–Hodgson admission, EDF then SJF.
             b0 = disp.budget()[0] if disp is not None else self._static_budget()
             adm, rej = moore_hodgson([(s.deadline_s, s.remaining, s) for s in cands],
                                      b0, now, self._tau)
@@ -360,6 +373,18 @@ class Scheduler:
         tent.in_plan.add(st.id)
         return length, completes, rank
 
+    def _piece(self, st: RequestState, counts: tuple[int, ...], completes: bool,
+               rank: int) -> PrefillPiece:
+        """The plan's prefill piece for a claimed chunk: tokens, pages and sampling."""
+        bm = self.blocks
+        start = st.prefilled
+        return PrefillPiece(
+            st.id, start, counts, completes, rank if completes else None,
+            token_ids=st.token_ids(start, start + sum(counts)),
+            pages=bm.prefill_pages(st.id),
+            decode_pages=bm.decode_pages(st.id) if completes else (),
+            sampling=st.req.sampling, sample_step=st.generated)
+
     def _transfer_fits(self, st: RequestState, moved: int) -> bool:
         """Can this iteration also move ``st``'s KV to a decode rank (executor limit)?"""
         cap = self.cfg.max_transfer_groups
@@ -377,14 +402,14 @@ class Scheduler:
         self._preempted_now = preempted
         tent = _Tentative(list(ctx), list(n_d))
         max_pieces = self.cfg.max_prefill_pieces
-        for st in self._candidates(now, preempted, disp):
+        for st in self._candidates(now, preempted, disp):  # Alg. 1 line 5
             if max_pieces is not None and len(pieces) >= max_pieces:
                 break
             if st.id in preempted:
                 continue
             rem = st.remaining
-            length, add = disp.dispatch(rem, st.prefilled)
-            if length == 0:
+            length, add = disp.dispatch(rem, st.prefilled)  # Alg. 1 line 6 (Alg. 2)
+            if length == 0:  # Alg. 1 line 7: the TBT-safe budget is spent
                 if pieces or self._decodes:
                     break
                 # Liveness: even one quantum misses the SLO on an idle instance. Run a
@@ -392,6 +417,7 @@ class Scheduler:
                 length = min(rem, self.cfg.quantum)
                 add = waterfill_assign(disp.loads, length)
             asked = length
+            # Alg. 1 lines 8-12: a completing chunk needs a decode rank (Alg. 3) or stops.
             length, completes, rank = self._claim(st, length, tent)
             if rank == _SKIP:
                 continue
@@ -400,9 +426,8 @@ class Scheduler:
             if length < asked:  # completion held back: take the token off the fullest rank
                 add = list(add)
                 add[max(range(self.n), key=add.__getitem__)] -= asked - length
-            disp.commit(add, st.prefilled)
-            pieces.append(PrefillPiece(st.id, st.prefilled, tuple(add), completes,
-                                       rank if completes else None))
+            disp.commit(add, st.prefilled)  # Alg. 1 line 13
+            pieces.append(self._piece(st, tuple(add), completes, rank))
         return pieces, disp.estimate()
 
     def _dispatch_simple(self, now: float, preempted: list[int],
@@ -431,10 +456,9 @@ class Scheduler:
             counts = tuple(waterfill_assign(n_p, length))
             for r, c in enumerate(counts):
                 n_p[r] += c
-            a_p += length * (st.prefilled + (length + 1) / 2)
+            a_p += attention_work(length, st.prefilled)
             budget -= length
-            pieces.append(PrefillPiece(st.id, st.prefilled, counts, completes,
-                                       rank if completes else None))
+            pieces.append(self._piece(st, counts, completes, rank))
         if isolated:
             est = self.model.iteration(max(n_p), max(n_p), a_p, 0.0)
         else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conflux_jax.scheduler.latency import LatencyModel
+from conflux_jax.latency import LatencyModel, attention_work
 
 
 def waterfill_assign(loads: Sequence[int], amount: int) -> list[int]:
@@ -94,7 +94,7 @@ class Dispatcher:
 
     def _fits_chunk(self, length: int, c: int) -> tuple[bool, list[int]]:
         add = waterfill_assign(self.loads, length)
-        return self.estimate(add, length * (c + (length + 1) / 2)) <= self.tau, add
+        return self.estimate(add, attention_work(length, c)) <= self.tau, add
 
     def _search_levels(self, k_lo: int, k_hi: int, fits) -> int:  # noqa: ANN001
         """Largest k in [k_lo, k_hi] with fits(k); k_lo is assumed feasible."""
@@ -163,4 +163,4 @@ class Dispatcher:
                 self.loads[r] += a
                 self.n_p[r] += a
                 length += a
-        self.a_p += length * (c + (length + 1) / 2)
+        self.a_p += attention_work(length, c)

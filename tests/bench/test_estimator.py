@@ -1,5 +1,6 @@
 """``bench estimator``: refitting recorded CPU-mesh timings reproduces the shipped model."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,9 @@ from tiny_models import TINY_LLAMA
 from conflux_jax.bench.estimator import _load_samples, _random_plan, _release, main, profile
 from conflux_jax.executor.buckets import BucketConfig
 from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
+from conflux_jax.latency import BatchShape, LatencyModel, coeffs_path, fit, mape
 from conflux_jax.models.decoder import random_params
-from conflux_jax.scheduler.latency import BatchShape, LatencyModel, coeffs_path, fit, mape
+from conflux_jax.scheduler.block_manager import BlockManager
 
 RECORDED = Path(__file__).resolve().parents[2] / "bench" / "results" / "estimator_sp4.json"
 
@@ -55,18 +57,20 @@ def test_profile_times_every_batch_once_per_round_and_frees_everything():
     buckets = BucketConfig(tokens=(16, 64), decode=(16,), max_prefill_seqs=2)
     ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=128, max_model_len=80,
                         buckets=buckets)
-    ex = JaxExecutor(TINY_LLAMA, random_params(TINY_LLAMA), ec, sequences={})
+    ex = JaxExecutor(TINY_LLAMA, random_params(TINY_LLAMA), ec)
     runs = []
-    real_run = ex.run
-    ex.run = lambda plan: runs.append(plan) or real_run(plan)
+    real_run = ex.execute
+    ex.execute = lambda plan: runs.append(plan) or real_run(plan)
+    bm = BlockManager(4, ec.num_pages, ec.page_size)
     train, test = profile(ex, num_train=4, num_test=3, repeats=3, seed=7, max_ctx=64,
-                          max_chunk=32, max_decodes=2, progress=False)
+                          max_chunk=32, max_decodes=2, progress=False, blocks=bm)
     assert (len(train), len(test)) == (4, 3)
     # One untimed first run per batch, then one timed run per round; each round re-creates
     # the same batch from its own seed.
     assert len(runs) == 7 * (1 + 3)
-    assert runs[7 + 7:7 + 14] == runs[7 + 14:]  # rounds 2 and 3 ran the very same plans
-    assert not ex.sequences and all(ex.block_manager.used_pages(r) == 0 for r in range(4))
+    # Rounds 2 and 3 ran the very same batches (page ids are the allocator's business).
+    assert [_batch(p) for p in runs[7 + 7:7 + 14]] == [_batch(p) for p in runs[7 + 14:]]
+    assert not bm.requests and all(bm.used_pages(r) == 0 for r in range(4))
     # The recorded shapes are the batches drawn from each job's seed.
     order = np.random.default_rng(7).permutation(7)
     kinds = [("decode", "prefill", "mixed")[i % 3] for i in range(4)] + \
@@ -74,10 +78,18 @@ def test_profile_times_every_batch_once_per_round_and_frees_everything():
     jobs = [kinds[i] for i in order]
     want = []
     for j, kind in enumerate(jobs):
-        plan, kv = _random_plan(ex, np.random.default_rng([7, j]), kind, 64, 32, 2,
-                                TINY_LLAMA.vocab_size)
-        want.append((order[j] < 4, BatchShape.from_plan(plan, kv, 4)))
-        _release(ex, plan)
+        plan = _random_plan(ex, bm, np.random.default_rng([7, j]), kind, 64, 32, 2,
+                            TINY_LLAMA.vocab_size)
+        want.append((order[j] < 4, BatchShape.from_plan(plan, 4)))
+        _release(bm, plan)
     assert [s.shape for s in train] == [shape for is_train, shape in want if is_train]
     assert [s.shape for s in test] == [shape for is_train, shape in want if not is_train]
     assert all(s.seconds > 0 for s in train + test)
+
+
+def _batch(plan):
+    """A plan without its page ids: what was computed, not where its KV went."""
+    return dataclasses.replace(
+        plan, prefill=tuple(dataclasses.replace(p, pages=(), decode_pages=())
+                            for p in plan.prefill),
+        decode=tuple(d._replace(pages=()) for d in plan.decode))

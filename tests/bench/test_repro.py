@@ -47,7 +47,7 @@ def test_repro_cli_small_fig12(tmp_path, capsys) -> None:
 def test_distserve_serves_toolagent_at_low_rate() -> None:
     """Regression guard for the old all-zero DistServe goodput (heavy lognormal tail)."""
     from conflux_jax.bench.workloads import at_rate, toolagent_like
-    from conflux_jax.scheduler.policies import InstanceSpec, run_policy
+    from conflux_jax.sim.policies import InstanceSpec, run_policy
 
     reqs = at_rate(toolagent_like(400, seed=0), 1.0, 400, 131072, 0)
     rep = run_policy(InstanceSpec("DistServe", "qwen3-14b", "h100", 4, 2.0, 0.1), reqs)

@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 
 from conflux_jax import reference
-from conflux_jax.executor.base import DecodeSlot, IterationPlan, PrefillPiece
-from conflux_jax.executor.jax_executor import JaxExecutor, SequenceData
-from conflux_jax.sampling import SamplingParams
+from conflux_jax.executor.jax_executor import JaxExecutor
+from conflux_jax.plan import DecodeSlot, IterationPlan, PrefillPiece
+from conflux_jax.scheduler.block_manager import BlockManager
 
 
 @dataclasses.dataclass
@@ -30,20 +30,21 @@ class _Req:
 def run_random_workload(ex: JaxExecutor, params, rng: np.random.Generator, num_requests: int,
                         max_prompt: int, max_output: int, mode: str = "conflux",
                         atol: float = 1e-4, verify: bool = True) -> dict[str, int]:
-    """Drive ``ex`` with random plans until every request finishes; assert logits match."""
+    """Drive ``ex`` with random plans until every request finishes; assert logits match.
+
+    The plans carry their tokens and pages (from a block manager of our own), as the
+    scheduler's do."""
     cfg = ex.model_config
     n = ex.num_ranks
     t_max = ex.exec_config.buckets.max_tokens
     d_max = ex.exec_config.buckets.decode[-1]
     s_max = ex.exec_config.buckets.max_prefill_seqs
-    bm = ex.block_manager
-    base = max(ex.sequences, default=-1) + 1
+    bm = BlockManager(n, ex.kv.num_pages, ex.kv.page_size)
+    tokens: dict[int, list[int]] = {}  # prompt + sampled tokens of each request
     pending = []
-    for i in range(num_requests):
-        rid = base + i
+    for rid in range(num_requests):
         prompt = rng.integers(3, cfg.vocab_size, int(rng.integers(1, max_prompt + 1))).tolist()
-        ex.sequences[rid] = SequenceData(prompt, len(prompt), SamplingParams(temperature=0),
-                                         seed=rid)
+        tokens[rid] = prompt
         pending.append(_Req(rid, len(prompt), int(rng.integers(1, max_output + 1))))
     prefilling: list[_Req] = []
     decoding: list[_Req] = []
@@ -81,39 +82,48 @@ def run_random_workload(ex: JaxExecutor, params, rng: np.random.Generator, num_r
                     rank = int(rng.integers(0, n))
                     bm.transition(r.rid, rank, r.prompt_len + 1, keep_prefill=True)
                     completing.append(r)
-                pieces.append(PrefillPiece(r.rid, r.prefilled, tuple(counts), completes, rank))
+                start = r.prefilled
+                pieces.append(PrefillPiece(
+                    r.rid, start, tuple(counts), completes, rank,
+                    token_ids=tuple(tokens[r.rid][start:start + length]),
+                    pages=bm.prefill_pages(r.rid),
+                    decode_pages=bm.decode_pages(r.rid) if completes else ()))
                 load = [a + b for a, b in zip(load, counts, strict=True)]
                 r.prefilled += length
                 r.rank = rank
+        slots = []
         for r in decode_slots:
-            bm.append_decode(r.rid, len(ex.sequences[r.rid].token_ids))
-        plan = IterationPlan(tuple(pieces), tuple(DecodeSlot(r.rid, r.rank) for r in decode_slots),
-                             estimated_latency_s=0.0, mode="conflux")
+            seq = tokens[r.rid]
+            bm.append_decode(r.rid, len(seq))
+            slots.append(DecodeSlot(r.rid, r.rank, position=len(seq) - 1, token_id=seq[-1],
+                                    pages=bm.decode_pages(r.rid),
+                                    sample_step=len(seq) - r.prompt_len))
+        plan = IterationPlan(tuple(pieces), tuple(slots), estimated_latency_s=0.0,
+                             mode="conflux")
         if plan.empty:
             continue
-        out = ex.run(plan)
-        for rid, tok in out.items():
-            seq = ex.sequences[rid]
-            sampled_at[rid].append((len(seq.token_ids) - 1, ex.last_logits[rid]))
-            seq.token_ids.append(tok.token)
+        out = ex.execute(plan)
+        for rid, tok in out.sampled.items():
+            sampled_at[rid].append((len(tokens[rid]) - 1, ex.last_logits[rid]))
+            tokens[rid].append(tok.token)
         for r in completing:
             bm.release_prefill(r.rid)
             prefilling.remove(r)
             decoding.append(r)
         for r in list(decoding):
-            if ex.sequences[r.rid].num_generated >= r.out_budget:
+            if len(tokens[r.rid]) - r.prompt_len >= r.out_budget:
                 decoding.remove(r)
                 bm.free(r.rid)
     bm.check_consistency()
     assert all(bm.free_pages(r) == bm.num_pages for r in range(n)), "pages leaked"
     checked = 0
     for rid, samples in sampled_at.items() if verify else ():
-        tokens = ex.sequences[rid].token_ids
-        ref = np.asarray(reference.forward(cfg, params, tokens))
+        seq = tokens[rid]
+        ref = np.asarray(reference.forward(cfg, params, seq))
         for pos, logits in samples:
             np.testing.assert_allclose(logits, ref[pos], atol=atol, rtol=atol,
                                        err_msg=f"request {rid}, position {pos}")
-            assert int(np.argmax(logits)) == tokens[pos + 1] or np.isclose(
+            assert int(np.argmax(logits)) == seq[pos + 1] or np.isclose(
                 np.sort(logits)[-1], np.sort(logits)[-2], atol=atol)
             checked += 1
     return {"iterations": iterations, "checked": checked}

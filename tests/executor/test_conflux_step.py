@@ -23,7 +23,7 @@ BUCKETS = BucketConfig(tokens=(8, 32), decode=(8,), decode_pages=(32,), max_pref
 def make_executor(config, mesh, params):
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
                         buckets=BUCKETS, return_logits=True)
-    return JaxExecutor(config, params, ec, sequences={})
+    return JaxExecutor(config, params, ec)
 
 
 CASES = {  # name: (config, mesh, iteration mode)
@@ -64,15 +64,15 @@ def test_single_row_buckets_match_reference():
                         buckets=BucketConfig(tokens=(1, 8, 32), decode=(1, 8),
                                              decode_pages=(32,), max_prefill_seqs=4),
                         return_logits=True)
-    ex = JaxExecutor(TINY_LLAMA, params, ec, sequences={})
+    ex = JaxExecutor(TINY_LLAMA, params, ec)
     shapes = []
-    run = ex.run
+    execute = ex.execute
 
     def spy(plan):
         shapes.append(ex.build_batch(plan)[0])
-        return run(plan)
+        return execute(plan)
 
-    ex.run = spy
+    ex.execute = spy
     stats = run_random_workload(ex, params, np.random.default_rng(3), num_requests=3,
                                 max_prompt=20, max_output=8, mode="conflux")
     assert stats["checked"] >= 3

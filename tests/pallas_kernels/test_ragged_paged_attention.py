@@ -1,9 +1,8 @@
-"""Tests for pallas_kernels.ragged_paged_attention against a float64 numpy oracle."""
+"""Tests for pallas_kernels.ragged_paged_attention: every impl against the package's dense
+float64 reference ``ref_ragged_paged_attention``; argument validation and dispatch."""
 
 from __future__ import annotations
 
-import importlib
-import math
 from typing import Any
 
 import jax
@@ -12,141 +11,32 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rpa_cases import (
+    ARG_NAMES,
+    IMPLS,
+    check,
+    make_case,
+    pallas_safe,
+    run,
+    valid_case,
+    with_changes,
+)
 
 from pallas_kernels import _common
 from pallas_kernels.ragged_paged_attention import (
-    BlockSizes,
     default_block_sizes,
     ragged_paged_attention,
-    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+    ref_ragged_paged_attention,
 )
+from pallas_kernels.ragged_paged_attention import pallas as pallas_mod
+from pallas_kernels.ragged_paged_attention import xla as xla_mod
 
-# The package re-exports the function under the module's name, so fetch the module itself.
-rpa_mod = importlib.import_module("pallas_kernels.ragged_paged_attention")
-
-# Compiled Pallas only where a GPU is present; interpret runs the same kernel body anywhere.
-IMPLS = _common.impls_under_test()
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 SETTINGS = settings(
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-# --------------------------------------------------------------------------------------------
-# float64 oracle: plain dense softmax per sequence, independent of both implementations
-# --------------------------------------------------------------------------------------------
-
-
-def oracle(case: dict[str, Any]) -> np.ndarray:
-    """f64[T, Hq, d] reference output for ``case`` (rows of non-live tokens are zero)."""
-    q = np.asarray(case["q"]).astype(np.float64)
-    kp = np.asarray(case["k_pages"]).astype(np.float64)
-    vp = np.asarray(case["v_pages"]).astype(np.float64)
-    kv_lens, pt, cu = case["kv_lens"], case["page_indices"], case["cu_q_lens"]
-    t, hq, d = q.shape
-    ps, hkv = kp.shape[1], kp.shape[2]
-    scale = case.get("sm_scale") or 1.0 / math.sqrt(d)
-    out = np.zeros((t, hq, d))
-    for s in range(int(case["num_seqs"])):
-        a, b, kv_len = int(cu[s]), int(cu[s + 1]), int(kv_lens[s])
-        if a == b:
-            continue
-        pos = np.arange(kv_len)
-        k = np.repeat(kp[pt[s, pos // ps], pos % ps], hq // hkv, axis=1)  # [L, Hq, d]
-        v = np.repeat(vp[pt[s, pos // ps], pos % ps], hq // hkv, axis=1)
-        logits = np.einsum("qhd,lhd->hql", q[a:b], k) * scale
-        q_pos = kv_len - (b - a) + np.arange(b - a)
-        logits = np.where(pos[None, None, :] <= q_pos[None, :, None], logits, -np.inf)
-        w = np.exp(logits - logits.max(-1, keepdims=True))
-        w /= w.sum(-1, keepdims=True)
-        out[a:b] = np.einsum("hql,lhd->qhd", w, v)
-    return out
-
-
-def make_case(
-    rng: np.random.Generator,
-    *,
-    q_lens: list[int],
-    histories: list[int],
-    max_seqs: int,
-    num_tokens: int,
-    head_dim: int,
-    page_size: int,
-    num_kv_heads: int,
-    ratio: int,
-    pages_per_seq: int,
-    dtype: Any = jnp.float32,
-    extra_pages: int = 3,
-) -> dict[str, Any]:
-    """A batch whose first len(q_lens) sequences are live; everything else is garbage."""
-    n = len(q_lens)
-    assert n <= max_seqs and sum(q_lens) <= num_tokens
-    num_pages = max_seqs * pages_per_seq + extra_pages
-    hq = num_kv_heads * ratio
-    cu = np.zeros(max_seqs + 1, np.int32)
-    cu[1 : n + 1] = np.cumsum(q_lens)
-    cu[n + 1 :] = rng.integers(-5, 3 * num_tokens, max_seqs - n)  # garbage, even decreasing
-    kv_lens = rng.integers(-3, 10_000, max_seqs).astype(np.int32)  # garbage past num_seqs
-    kv_lens[:n] = np.asarray(q_lens) + np.asarray(histories)
-    # Unused page-table slots hold garbage, including indices outside the pool.
-    pt = rng.integers(-num_pages, 2 * num_pages, (max_seqs, pages_per_seq)).astype(np.int32)
-    perm = rng.permutation(num_pages)
-    for s in range(n):
-        used = -(-int(kv_lens[s]) // page_size)
-        assert used <= pages_per_seq
-        pt[s, :used] = perm[s * pages_per_seq : s * pages_per_seq + used]
-
-    def rand(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-
-    return dict(
-        q=rand(num_tokens, hq, head_dim),
-        k_pages=rand(num_pages, page_size, num_kv_heads, head_dim),
-        v_pages=rand(num_pages, page_size, num_kv_heads, head_dim),
-        kv_lens=kv_lens,
-        page_indices=pt,
-        cu_q_lens=cu,
-        num_seqs=np.int32(n),
-    )
-
-
-def run(case: dict[str, Any], impl: str, **kw: Any) -> np.ndarray:
-    out = ragged_paged_attention(
-        case["q"],
-        case["k_pages"],
-        case["v_pages"],
-        case["kv_lens"],
-        case["page_indices"],
-        case["cu_q_lens"],
-        case["num_seqs"],
-        sm_scale=case.get("sm_scale"),
-        impl=impl,
-        **kw,
-    )
-    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
-    return np.asarray(out.astype(jnp.float32))
-
-
-def check(case: dict[str, Any], out: np.ndarray, dtype: Any = jnp.float32) -> None:
-    want = oracle(case)
-    assert np.isfinite(out).all(), "non-finite output"
-    live_end = int(case["cu_q_lens"][int(case["num_seqs"])])
-    assert (out[live_end:] == 0).all(), "padding rows must be exactly zero"
-    err = np.abs(out - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
-
-
-def pallas_safe(kw: dict[str, int], case: dict[str, Any]) -> dict[str, int]:
-    """Compiled Triton dots need >= 16 rows and columns: grow drawn blocks if needed."""
-    group_pad = _common.next_pow2(case["q"].shape[1] // case["k_pages"].shape[2])
-    kw = dict(kw)
-    if "block_q" in kw:
-        kw["block_q"] = max(kw["block_q"], 16 // group_pad, 1)
-    if "block_kv" in kw:
-        kw["block_kv"] = max(kw["block_kv"], 16)
-    return kw
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +122,7 @@ def check_all_impls(drawn: tuple[list[dict[str, Any]], dict[str, int]], dtype: A
     steps, kw = drawn
     for case in steps:
         for impl in IMPLS:
-            impl_kw = {} if impl == "reference" else kw
+            impl_kw = {} if impl == "xla" else kw
             if impl == "pallas":
                 impl_kw = pallas_safe(kw, case)
             check(case, run(case, impl, **impl_kw), dtype)
@@ -325,7 +215,7 @@ def test_kv_past_kv_len_never_read() -> None:
             valid[case["page_indices"][s, pos // 16], pos % 16] = True
     for name in ("k_pages", "v_pages"):
         case[name] = jnp.where(valid[:, :, None, None], case[name], jnp.nan)
-    for impl in (i for i in IMPLS if i != "reference"):  # the reference gathers whole pages
+    for impl in (i for i in IMPLS if i != "xla"):  # the XLA path gathers whole pages
         for kw in ({}, SMALL_BLOCKS):
             check(case, run(case, impl, **(pallas_safe(kw, case) if impl == "pallas" else kw)))
 
@@ -349,58 +239,11 @@ def test_sm_scale_and_single_token_axis(impl: str) -> None:
     check(case, run(case, impl))
 
 
-def test_reference_blocks_and_chunks_are_only_speed_knobs() -> None:
-    rng = np.random.default_rng(5)
-    case = make_case(
-        rng,
-        q_lens=[30, 2, 0, 9],
-        histories=[10, 50, 3, 0],
-        max_seqs=4,
-        num_tokens=48,
-        head_dim=64,
-        page_size=16,
-        num_kv_heads=1,
-        ratio=3,
-        pages_per_seq=5,
-    )
-    args = [case[k] for k in ARG_NAMES]
-    for block_q, groups, chunk in ((1, 1, 16), (7, 3, 40), (64, 8, 512), (32, 2, 8)):
-        for split_kv in (False, True):
-            out = ragged_paged_attention_reference(*args, block_q=block_q, group_blocks=groups,
-                                                   kv_chunk=chunk, split_kv=split_kv)
-            check(case, np.asarray(out))
-    with pytest.raises(ValueError, match="block_q must be a positive int"):
-        ragged_paged_attention_reference(*args, block_q=0)
-
-
 # --------------------------------------------------------------------------------------------
 # Validation: ValueError before anything is traced
 # --------------------------------------------------------------------------------------------
 
-ARG_NAMES = ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
-
-
-def _valid_case() -> dict[str, Any]:
-    return make_case(
-        np.random.default_rng(6),
-        q_lens=[2, 3],
-        histories=[4, 0],
-        max_seqs=3,
-        num_tokens=8,
-        head_dim=64,
-        page_size=16,
-        num_kv_heads=2,
-        ratio=2,
-        pages_per_seq=2,
-    )
-
-
-def _with(**changes: Any) -> dict[str, Any]:
-    case = _valid_case()
-    for key, fn in changes.items():
-        case[key] = fn(case[key])
-    return case
-
+_with = with_changes  # short: the table below is one case a line
 
 BAD_CASES = {
     "q rank": (_with(q=lambda q: q[0]), "q must have rank 3"),
@@ -427,20 +270,22 @@ BAD_CASES = {
 
 
 @pytest.mark.parametrize("name", list(BAD_CASES))
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_invalid_inputs_raise_before_tracing(
     name: str, impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("traced despite invalid inputs")
 
-    monkeypatch.setattr(rpa_mod, "_rpa_reference", never)
-    monkeypatch.setattr(rpa_mod, "_rpa_pallas", never)
+    monkeypatch.setattr(xla_mod, "rpa_xla", never)
+    monkeypatch.setattr(pallas_mod, "rpa_pallas", never)
     case, match = BAD_CASES[name]
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*(case[k] for k in ARG_NAMES), impl=impl)
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention_reference(*(case[k] for k in ARG_NAMES))
+        ragged_paged_attention_xla(*(case[k] for k in ARG_NAMES))
+    with pytest.raises(ValueError, match=match):
+        ref_ragged_paged_attention(*(case[k] for k in ARG_NAMES))
 
 
 @pytest.mark.parametrize(
@@ -451,10 +296,11 @@ def test_invalid_inputs_raise_before_tracing(
         (dict(kv_splits=1.5), "positive int"),
         (dict(blok_q=4), "unknown block size option"),
         (dict(impl="triton"), "is not one of"),
+        (dict(impl="reference"), "'reference' is now called 'xla'"),
     ],
 )
 def test_invalid_options(kw: dict[str, Any], match: str) -> None:
-    case = _valid_case()
+    case = valid_case()
     kw = {"impl": "interpret", **kw}
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*(case[k] for k in ARG_NAMES), **kw)
@@ -466,7 +312,7 @@ def test_pallas_needs_pow2_head_dim() -> None:
     )
     with pytest.raises(ValueError, match="power-of-two head dim"):
         ragged_paged_attention(*(case[k] for k in ARG_NAMES), impl="interpret")
-    check(case, run(case, "reference"))  # the reference takes any head dim
+    check(case, run(case, "xla"))  # the XLA path takes any head dim
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,10 +322,10 @@ def test_pallas_needs_pow2_head_dim() -> None:
 
 def _record_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    monkeypatch.setattr(rpa_mod, "_rpa_reference", lambda *a, **k: calls.append("reference"))
+    monkeypatch.setattr(xla_mod, "rpa_xla", lambda *a, **k: calls.append("xla"))
     monkeypatch.setattr(
-        rpa_mod,
-        "_rpa_pallas",
+        pallas_mod,
+        "rpa_pallas",
         lambda *a, interpret, **k: calls.append("interpret" if interpret else "pallas"),
     )
     return calls
@@ -487,15 +333,15 @@ def _record_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_dispatch_auto_env_and_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _record_calls(monkeypatch)
-    args = [_valid_case()[k] for k in ARG_NAMES]
+    args = [valid_case()[k] for k in ARG_NAMES]
     monkeypatch.delenv(_common.IMPL_ENV_VAR, raising=False)
     ragged_paged_attention(*args)
-    assert calls[-1] == ("pallas" if _common.on_gpu() else "reference")
+    assert calls[-1] == ("pallas" if _common.on_gpu() else "xla")
     monkeypatch.setenv(_common.IMPL_ENV_VAR, "interpret")
     ragged_paged_attention(*args)
     assert calls[-1] == "interpret"
-    ragged_paged_attention(*args, impl="reference")  # the argument beats the env var
-    assert calls[-1] == "reference"
+    ragged_paged_attention(*args, impl="xla")  # the argument beats the env var
+    assert calls[-1] == "xla"
     monkeypatch.setenv(_common.IMPL_ENV_VAR, "cuda")
     with pytest.raises(ValueError, match="CONFLUX_ATTENTION_IMPL"):
         ragged_paged_attention(*args)
@@ -504,34 +350,4 @@ def test_dispatch_auto_env_and_argument(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.skipif(_common.on_gpu(), reason="compiled Pallas is available on GPU")
 def test_compiled_pallas_refused_off_gpu() -> None:
     with pytest.raises(ValueError, match="needs a GPU|compiles the kernel for a GPU"):
-        ragged_paged_attention(*(_valid_case()[k] for k in ARG_NAMES), impl="pallas")
-
-
-# --------------------------------------------------------------------------------------------
-# The GPU kernel lowers to Triton (checked on CPU too: JAX lowers for CUDA without a GPU)
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("dtype", "num_tokens", "bs"),
-    [
-        (jnp.bfloat16, 64, None),  # prefill tiling
-        (jnp.bfloat16, 8, None),  # decode tiling (KV splits)
-        (jnp.float32, 64, BlockSizes(4, 32, 2, 4, 2)),
-    ],
-)
-def test_kernel_lowers_for_cuda(dtype: Any, num_tokens: int, bs: BlockSizes | None) -> None:
-    t, hq, hkv, d, p, ps, s, pps = num_tokens, 32, 8, 128, 40, 16, 8, 4
-    bs = bs or default_block_sizes(t, s, hq, hkv, d)
-    args = (
-        jnp.zeros((t, hq, d), dtype),
-        jnp.zeros((p, ps, hkv, d), dtype),
-        jnp.zeros((p, ps, hkv, d), dtype),
-        jnp.zeros((s,), jnp.int32),
-        jnp.zeros((s, pps), jnp.int32),
-        jnp.zeros((s + 1,), jnp.int32),
-        jnp.int32(1),
-    )
-    traced = rpa_mod._rpa_pallas.trace(*args, sm_scale=0.1, bs=bs, interpret=False)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+        ragged_paged_attention(*(valid_case()[k] for k in ARG_NAMES), impl="pallas")

@@ -4,14 +4,14 @@ import random
 
 import pytest
 
-from conflux_jax.executor.base import KVSpec
-from conflux_jax.executor.block_manager import BlockManager
-from conflux_jax.executor.sim import SimExecutor, simulate
+from conflux_jax.latency import BatchShape
+from conflux_jax.latency.roofline import roofline_model
+from conflux_jax.plan import KVSpec
+from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
-from conflux_jax.scheduler.latency import BatchShape
 from conflux_jax.scheduler.request import Request
-from conflux_jax.scheduler.roofline import roofline_model
 from conflux_jax.scheduler.scheduler import Scheduler
+from conflux_jax.sim import SimExecutor, simulate
 
 TBT, TTFT = 0.1, 2.0
 
@@ -35,17 +35,10 @@ class Checked:
         self.ex = executor
         self.iterations = 0
         self.mixed = 0
+        self.kv: dict[int, int] = {}  # KV length of each request, tracked from the plans
 
-    @property
-    def has_work(self) -> bool:
-        return self.s.has_work
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.s.num_preemptions
-
-    def add(self, req: Request) -> bool:
-        return self.s.add(req)
+    def __getattr__(self, name: str):  # everything not checked goes to the scheduler
+        return getattr(self.s, name)
 
     def schedule(self, now: float):
         before = self.s.decode_ranks()
@@ -81,9 +74,14 @@ class Checked:
             st = self.s.state(d.request_id)
             pt = self.s.blocks.page_table(d.request_id)
             assert len(pt.decode) * self.s.blocks.page_size >= st.kv_len + 1
-        # the scheduler's incremental estimate equals an independent pricing of the plan
-        kv = {k: v for k, v in self.ex.kv_lens.items() if k not in plan.released}
-        priced = self.s.model.estimate(BatchShape.from_plan(plan, kv, self.s.n)) \
+        # decode slots carry the KV length the plans built up; the scheduler's incremental
+        # estimate equals an independent pricing of the plan
+        for rid in plan.released:
+            self.kv.pop(rid, None)
+        for d in plan.decode:
+            assert d.position == self.kv[d.request_id]
+            assert d.pages == self.s.blocks.page_table(d.request_id).decode
+        priced = self.s.model.estimate(BatchShape.from_plan(plan, self.s.n)) \
             if not plan.empty else 0.0
         assert plan.estimated_latency_s == pytest.approx(priced, rel=1e-9, abs=1e-12)
         if mode == "conflux" and plan.prefill and not plan.fits_slo:
@@ -97,6 +95,10 @@ class Checked:
         return plan
 
     def commit(self, plan, result=None):
+        for p in plan.prefill:
+            self.kv[p.request_id] = p.start + p.length
+        for d in plan.decode:
+            self.kv[d.request_id] += 1
         finished = self.s.commit(plan, result)
         if self.s.blocks.num_pages <= 5000 or self.iterations % 200 == 0:
             self.s.blocks.check_consistency()  # O(pages): sampled on real-size pools
@@ -184,7 +186,7 @@ def test_fcfs_and_srpt_orders() -> None:
 
 @pytest.mark.parametrize("policy", ["MuxWise++", "ConfluxServe", "Chunked++", "LoongServe"])
 def test_named_policies_keep_invariants_at_real_kv_sizes(policy: str) -> None:
-    from conflux_jax.scheduler.policies import InstanceSpec, build_instance
+    from conflux_jax.sim.policies import InstanceSpec, build_instance
 
     sched, ex = build_instance(InstanceSpec(policy, "llama3.1-8b", "h200", 4, TTFT, TBT))
     checked = Checked(sched, ex)
@@ -220,10 +222,10 @@ def test_executor_shape_limits_are_respected(mode: str) -> None:
 
 
 def test_per_request_slos_set_the_deadline_and_the_iteration_bound():
-    from conflux_jax.executor.block_manager import BlockManager
+    from conflux_jax.latency.roofline import roofline_model
+    from conflux_jax.scheduler.block_manager import BlockManager
     from conflux_jax.scheduler.config import SchedulerConfig
     from conflux_jax.scheduler.request import Request
-    from conflux_jax.scheduler.roofline import roofline_model
     from conflux_jax.scheduler.scheduler import Scheduler
 
     model = roofline_model("qwen3-14b", "h100", 4)

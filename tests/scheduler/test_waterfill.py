@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conflux_jax.scheduler.latency import Affine, LatencyModel
+from conflux_jax.latency import Affine, LatencyModel
 from conflux_jax.scheduler.waterfill import Dispatcher, capacity_at, waterfill_assign
 
 

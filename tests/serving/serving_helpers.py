@@ -40,8 +40,9 @@ class LiveServer:
     def __init__(self, engine: Any, **settings: Any) -> None:
         import uvicorn
 
-        from serving.app import ServerSettings, create_app
+        from serving.app import create_app
         from serving.engine_loop import EngineLoop
+        from serving.settings import ServerSettings
 
         self.engine = engine
         self.loop = EngineLoop(engine)
@@ -83,7 +84,7 @@ class LiveServer:
             time.sleep(0.02)
 
     def leaked_pages(self) -> int:
-        bm = self.engine.executor.block_manager
+        bm = self.engine.scheduler.blocks
         return sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
 
     def stop(self) -> None:

@@ -210,8 +210,9 @@ def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server
 
 def test_health_is_503_until_warm(tiny_engine):
     """A loop that has not finished warm-up: /health and the routes answer 503."""
-    from serving.app import ServerSettings, create_app
+    from serving.app import create_app
     from serving.engine_loop import EngineLoop
+    from serving.settings import ServerSettings
 
     loop = EngineLoop(tiny_engine)  # never started: never ready
     app = create_app(loop, ServerSettings(model_name="tiny", max_model_len=256,

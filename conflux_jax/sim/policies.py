@@ -15,7 +15,7 @@
 | DistServe++       | disagg     | srpt  | same                       |
 
 The first seven run on the real executor's plan modes; MuxWise and DistServe exist in
-the simulator only (:mod:`conflux_jax.scheduler.baselines`). The chunked token budget
+the simulator only (:mod:`conflux_jax.sim.baselines`). The chunked token budget
 is chosen offline as the largest multiple of 256 whose iteration (64 decodes at 4K
 context plus a fresh prefill chunk) meets the TBT SLO; the paper sweeps it per workload
 instead.
@@ -26,15 +26,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from conflux_jax.executor.base import KVSpec
-from conflux_jax.executor.block_manager import BlockManager
-from conflux_jax.executor.sim import SimExecutor, SimReport, simulate
-from conflux_jax.scheduler.baselines import MuxLatency, simulate_disaggregated
+from conflux_jax.latency import LatencyModel, attention_work
+from conflux_jax.latency.roofline import MODELS, kv_tokens_per_rank, roofline_model
+from conflux_jax.plan import KVSpec
+from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
-from conflux_jax.scheduler.latency import LatencyModel
 from conflux_jax.scheduler.request import Request
-from conflux_jax.scheduler.roofline import MODELS, kv_tokens_per_rank, roofline_model
 from conflux_jax.scheduler.scheduler import Scheduler
+from conflux_jax.sim.baselines import MuxLatency, simulate_disaggregated
+from conflux_jax.sim.driver import SimReport, simulate
+from conflux_jax.sim.executor import SimExecutor
 
 POLICIES: dict[str, tuple[str, str]] = {
     "ConfluxServe": ("conflux", "slo"),
@@ -84,7 +85,7 @@ def chunked_budget(model: LatencyModel, tbt_slo_s: float, ref_decodes: int = 64,
     best = 256
     for budget in range(256, 65536 + 1, 256):
         chunk = budget - ref_decodes
-        t = model.iteration(budget, chunk, chunk * (chunk + 1) / 2,
+        t = model.iteration(budget, chunk, attention_work(chunk, 0),
                             model.decode_path(ref_decodes * (ref_ctx + 1)))
         if t > tbt_slo_s:
             break

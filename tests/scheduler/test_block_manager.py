@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from conflux_jax.executor.block_manager import BlockManager, BlockManagerError, OutOfPagesError
+from conflux_jax.scheduler.block_manager import BlockManager, BlockManagerError, OutOfPagesError
 
 
 def test_prefill_pages_are_head_sharded_on_every_rank() -> None:

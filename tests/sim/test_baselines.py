@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from conflux_jax.scheduler.baselines import MuxLatency, simulate_disaggregated
-from conflux_jax.scheduler.latency import Affine, LatencyModel
-from conflux_jax.scheduler.policies import POLICIES, SLOS, InstanceSpec, run_policy
+from conflux_jax.latency import Affine, LatencyModel
+from conflux_jax.latency.roofline import roofline_model
 from conflux_jax.scheduler.request import Request
-from conflux_jax.scheduler.roofline import roofline_model
+from conflux_jax.sim.baselines import MuxLatency, simulate_disaggregated
+from conflux_jax.sim.policies import POLICIES, SLOS, InstanceSpec, run_policy
 
 
 def test_mux_is_monotone_and_slower_than_isolated_phases() -> None:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from conflux_jax.scheduler.latency import BatchShape
-from conflux_jax.scheduler.roofline import MODELS, kv_tokens_per_rank, roofline_model
+from conflux_jax.latency import BatchShape
+from conflux_jax.latency.roofline import MODELS, kv_tokens_per_rank, roofline_model
 
 
 def _shape(prefill: int, decodes: int, ctx: int) -> BatchShape:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from conflux_jax.scheduler.latency import (
+from conflux_jax.latency import (
     Affine,
     BatchShape,
     LatencyModel,

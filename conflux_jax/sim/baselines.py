@@ -22,9 +22,9 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from conflux_jax.executor.sim import RequestRecord, SimReport
-from conflux_jax.scheduler.latency import BatchShape, LatencyModel
+from conflux_jax.latency import BatchShape, LatencyModel, attention_work
 from conflux_jax.scheduler.request import Request
+from conflux_jax.sim.driver import RequestRecord, SimReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +89,7 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
     iters = 0
 
     def emit(rid: int, t: float) -> None:
-        rec = recs[rid]
-        rec.tokens += 1
-        if rec.tokens == 1:
-            rec.first_token_s = t
-        if t > rec.arrival_s + ttft_slo_s + (rec.tokens - 1) * tbt_slo_s:
-            rec.compliant = False
+        recs[rid].token_at(t, ttft_slo_s, tbt_slo_s)
 
     for r in reqs:  # a request longer than the decode pool can never be served
         if r.prompt_len + r.max_new_tokens > decode_kv_tokens:
@@ -118,7 +113,7 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
                 r = queue.pop(0)
                 batch.append(r)
                 tokens += _uncached(r)
-            a_p = sum(_uncached(r) * (r.cached_prefix + (_uncached(r) + 1) / 2) for r in batch)
+            a_p = sum(attention_work(_uncached(r), r.cached_prefix) for r in batch)
             t_p += prefill_model.iteration(tokens, tokens, a_p, 0.0)
             iters += 1
             for r in batch:

@@ -1,9 +1,11 @@
-"""The engine: requests in, streamed tokens out; one scheduler + one executor per step.
+"""The engine: requests in, streamed tokens out, over the one driver loop.
 
-``Engine.step()`` runs one iteration: the scheduler plans (which prefill chunks on which
-ranks, which decodes), the executor runs the plan on the device mesh, and every sampled
-token goes through the request's ``OutputTracker`` (detokenize, stop strings, EOS,
-max_tokens). Finished requests leave the scheduler, which frees their KV pages.
+``Engine.step()`` runs one iteration of :class:`~conflux_jax.engine.core.EngineCore`: the
+scheduler plans (which prefill chunks on which ranks, which decodes, which KV pages), the
+JAX executor runs the plan on the device mesh, and every sampled token goes through the
+request's ``OutputTracker`` (detokenize, stop strings, EOS, max_tokens) before the
+scheduler commits the iteration. Finished requests leave the scheduler, which frees their
+KV pages.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from conflux_jax.executor.base import IterationPlan, StepResult
-from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor, SequenceData
+from conflux_jax.engine.core import EngineCore, StepFailed
+from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
+from conflux_jax.latency import Affine, LatencyModel, load_fitted
 from conflux_jax.outputs import OutputTracker, RequestOutput
+from conflux_jax.plan import IterationPlan, SamplingSpec, StepResult
 from conflux_jax.sampling import SamplingParams
+from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
-from conflux_jax.scheduler.latency import LatencyModel, load_fitted
 from conflux_jax.scheduler.request import Request
 from conflux_jax.scheduler.scheduler import Scheduler
 
@@ -46,7 +50,7 @@ class EngineConfig:
     ttft_slo_s: float = 10.0
     tbt_slo_s: float = 1.0
     # None = the fitted coefficients shipped for ``profile`` on this hardware and mesh
-    # (``scheduler/coeffs/``), else a conservative built-in estimate.
+    # (``latency/coeffs/``), else a conservative built-in estimate.
     latency_model: LatencyModel | None = None
     profile: str | None = None  # model name for the fitted coefficients ("default", a path)
 
@@ -71,6 +75,7 @@ class StepOutput:
 @dataclasses.dataclass
 class _Live:
     prompt: str | None
+    prompt_ids: list[int]
     tracker: OutputTracker
     arrival_s: float
     first_token_s: float | None = None
@@ -83,8 +88,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.sequences: dict[int, SequenceData] = {}
-        self.executor = JaxExecutor(model_config, params, config.executor, self.sequences)
+        self.executor = JaxExecutor(model_config, params, config.executor)
         order, mode = POLICIES[config.policy]
         ec = config.executor
         if mode == "tp_chunked" and self.executor.num_ranks != 1:
@@ -99,7 +103,8 @@ class Engine:
                             max_prefill_pieces=ec.buckets.max_prefill_seqs,
                             max_decodes_per_rank=ec.buckets.decode[-1],
                             max_transfer_groups=self.executor.planner.transfer_groups),
-            self.latency_model, self.executor.block_manager)
+            self.latency_model, BlockManager(self.executor.num_ranks, ec.num_pages, ec.page_size))
+        self.core = EngineCore(self.scheduler, self.executor)
         self.max_model_len = min(ec.max_model_len, model_config.max_position_embeddings)
         self._live: dict[int, _Live] = {}
         self._next_id = 0
@@ -141,14 +146,15 @@ class Engine:
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(31)
         now = time.perf_counter() if arrival_s is None else arrival_s
+        spec = SamplingSpec(sampling.temperature, sampling.top_k, sampling.top_p, seed % 2**32)
         request = Request(id=rid, arrival_s=now, prompt_len=len(ids), max_new_tokens=max_new,
-                          ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s)
-        self.sequences[rid] = SequenceData(list(ids), len(ids), sampling, seed % 2**32)
-        if not self.scheduler.add(request):
-            del self.sequences[rid]
+                          ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
+                          prompt_token_ids=tuple(ids), sampling=spec)
+        if not self.core.add(request):
             raise EngineError(f"the request needs more KV cache ({len(ids)} + {max_new} "
                               "tokens) than one rank holds")
-        self._live[rid] = _Live(text, OutputTracker(self.tokenizer, sampling, max_new), now)
+        self._live[rid] = _Live(text, list(ids), OutputTracker(self.tokenizer, sampling, max_new),
+                                now)
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -156,8 +162,7 @@ class Engine:
         live = self._live.pop(request_id, None)
         if live is not None:
             live.tracker.abort()
-            self.scheduler.abort(request_id)
-            self.sequences.pop(request_id, None)
+            self.core.abort(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -170,45 +175,39 @@ class Engine:
     # ------------------------------------------------------------------ the iteration
     def step(self) -> list[StepOutput]:
         """Run one iteration; returns the new tokens of every request that got one."""
-        plan = self.scheduler.schedule(time.perf_counter())
-        if plan.empty:
-            self.scheduler.commit(plan, None)
-            return []
+        outputs: list[StepOutput] = []
+
+        def observe(plan: IterationPlan, result: StepResult) -> None:
+            now = result.end_s
+            for rid, s in result.sampled.items():
+                live = self._live.get(rid)
+                if live is None:  # aborted while the step ran
+                    continue
+                tracker = live.tracker
+                if live.first_token_s is None:
+                    live.first_token_s = now
+                live.token_times.append(now)
+                n_top = tracker.params.logprobs
+                top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
+                delta = tracker.append(s.token, s.logprob, top)
+                outputs.append(StepOutput(
+                    rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
+                    [tracker.logprobs[-1]] if tracker.logprobs is not None else None))
+                if tracker.finished:
+                    self.scheduler.finish(rid)
+
         try:
-            sampled = self.executor.run(plan)
-        except Exception as exc:  # a failing step fails its requests, not the engine
-            log.exception("step failed; failing its %d requests", len(_plan_ids(plan)))
-            self.scheduler.commit(plan, None)
-            return self._fail(_plan_ids(plan), exc)
-        now = time.perf_counter()
-        result = StepResult(tokens={r: s.token for r, s in sampled.items()},
-                            latency_s=self.executor.last_latency_s, end_s=now)
-        outputs = []
-        for rid, s in sampled.items():
-            live = self._live.get(rid)
-            if live is None:  # aborted while the step ran
-                continue
-            self.sequences[rid].token_ids.append(s.token)
-            tracker = live.tracker
-            if live.first_token_s is None:
-                live.first_token_s = now
-            live.token_times.append(now)
-            n_top = tracker.params.logprobs
-            top = dict(list(s.top.items())[:n_top]) if n_top else None  # top-k, best first
-            delta = tracker.append(s.token, s.logprob, top)
-            outputs.append(StepOutput(
-                rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
-                [tracker.logprobs[-1]] if tracker.logprobs is not None else None))
-            if tracker.finished:
-                self.scheduler.finish(rid)
-        self.scheduler.commit(plan, result)
+            self.core.step(observe)
+        except StepFailed as failed:  # a failing step fails its requests, not the engine
+            log.error("step failed; failing its %d requests", len(failed.plan.request_ids),
+                      exc_info=failed.__cause__)
+            return self._fail(failed.plan.request_ids)
         for out in outputs:
             if out.finished:
                 self._live.pop(out.request_id, None)
-                self.sequences.pop(out.request_id, None)
         return outputs
 
-    def _fail(self, ids: list[int], exc: Exception) -> list[StepOutput]:
+    def _fail(self, ids: list[int]) -> list[StepOutput]:
         now = time.perf_counter()
         outs = []
         for rid in ids:
@@ -216,8 +215,7 @@ class Engine:
             if live is None:
                 continue
             delta = live.tracker.abort("error")
-            self.scheduler.abort(rid)
-            self.sequences.pop(rid, None)
+            self.core.abort(rid)
             outs.append(StepOutput(rid, [], delta, True, "error", now))
         return outs
 
@@ -225,8 +223,7 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return None
-        seq = self.sequences[request_id]
-        return RequestOutput(str(request_id), live.prompt, seq.token_ids[:seq.prompt_len],
+        return RequestOutput(str(request_id), live.prompt, live.prompt_ids,
                              [live.tracker.completion()], live.tracker.finished)
 
     # ------------------------------------------------------------------ offline use
@@ -241,23 +238,18 @@ class Engine:
             for rid in ids:  # all or nothing: a bad prompt queues none of the batch
                 self.abort(rid)
             raise
-        snapshots: dict[int, tuple[_Live, SequenceData]] = {
-            rid: (self._live[rid], self.sequences[rid]) for rid in ids}
+        snapshots = {rid: self._live[rid] for rid in ids}
         while any(rid in self._live for rid in ids):
             self.step()
         results = []
         for rid, prompt in zip(ids, prompts, strict=True):
-            live, seq = snapshots[rid]
+            live = snapshots[rid]
             results.append(RequestOutput(
                 str(rid), prompt if isinstance(prompt, str) else None,
-                seq.token_ids[:seq.prompt_len], [live.tracker.completion()], True,
+                live.prompt_ids, [live.tracker.completion()], True,
                 metrics={"arrival_s": live.arrival_s, "first_token_s": live.first_token_s,
                          "token_times_s": live.token_times}))
         return results
-
-
-def _plan_ids(plan: IterationPlan) -> list[int]:
-    return [p.request_id for p in plan.prefill] + [d.request_id for d in plan.decode]
 
 
 def default_latency_model(num_layers: int, num_ranks: int) -> LatencyModel:
@@ -266,8 +258,6 @@ def default_latency_model(num_layers: int, num_ranks: int) -> LatencyModel:
     It only shapes how much prefill the scheduler co-batches per iteration; correctness
     never depends on it. ``python -m conflux_jax.bench estimator --profile`` fits a real one.
     """
-    from conflux_jax.scheduler.latency import Affine
-
     return LatencyModel(num_layers=num_layers, num_ranks=num_ranks,
                         gemm=Affine(a=2e-5, b=5e-4), dec=Affine(a=2e-7, b=1e-4),
                         pre=Affine(a=1e-8, b=1e-4), comm=Affine(a=1e-6, b=5e-5))

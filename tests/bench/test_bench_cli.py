@@ -1,12 +1,14 @@
 """Bench CLI: subcommand dispatch, scheduler-overhead and sim smoke runs with --json."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from conflux_jax.bench.__main__ import SUBCOMMANDS, main
-from conflux_jax.bench.sim import goodput
 from conflux_jax.bench.workloads import TOOLAGENT_OUTPUT, TOOLAGENT_PROMPT, at_rate, toolagent_like
+from conflux_jax.slo import goodput
 
 
 def test_usage_and_unknown_subcommand(capsys) -> None:
@@ -15,6 +17,18 @@ def test_usage_and_unknown_subcommand(capsys) -> None:
     assert "scheduler-overhead" in capsys.readouterr().out
     assert main(["nope"]) == 2
     assert {"scheduler-overhead", "sim", "kernels"} <= set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize(("name", "option"), [("kernels", "--gpu-dry-run"),
+                                              ("executor", "--startup")])
+def test_subcommand_help_runs_as_users_run_it(tmp_path, name: str, option: str) -> None:
+    # A fresh interpreter outside the checkout: the subcommand is a real module of the
+    # package, not a script loaded from the source tree's bench/ folder.
+    res = subprocess.run([sys.executable, "-m", "conflux_jax.bench", name, "--help"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"usage: python -m conflux_jax.bench {name}" in res.stdout
+    assert option in res.stdout and "--json" in res.stdout
 
 
 def test_scheduler_overhead_writes_json(tmp_path, capsys) -> None:

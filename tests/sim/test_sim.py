@@ -2,36 +2,37 @@
 
 import pytest
 
-from conflux_jax.executor.base import DecodeSlot, Executor, IterationPlan, KVSpec, PrefillPiece
-from conflux_jax.executor.block_manager import BlockManager
-from conflux_jax.executor.sim import SimExecutor, simulate
+from conflux_jax.latency import Affine, BatchShape, LatencyModel
+from conflux_jax.plan import DecodeSlot, Executor, IterationPlan, KVSpec, PrefillPiece
+from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
-from conflux_jax.scheduler.latency import Affine, BatchShape, LatencyModel
 from conflux_jax.scheduler.request import Request
 from conflux_jax.scheduler.scheduler import Scheduler
+from conflux_jax.sim import SimExecutor, simulate
 
 MODEL = LatencyModel(num_layers=1, num_ranks=2, gemm=Affine(0.001, 0.01), dec=Affine(1e-5, 0.0),
                      pre=Affine(1e-6, 0.0), comm=Affine(0.0, 0.0))
 
 
-def test_is_an_executor_and_tracks_exact_kv() -> None:
+def test_is_an_executor_and_prices_exact_kv_from_the_plan() -> None:
     ex = SimExecutor(MODEL, KVSpec(2, 10, 16))
     assert isinstance(ex, Executor) and ex.num_ranks == 2
     p1 = IterationPlan((PrefillPiece(1, 0, (3, 2), False, None),), (), 0.0)
     r1 = ex.execute(p1)
-    assert ex.kv_lens == {1: 5}
+    assert dict(r1.tokens) == {}  # no completing chunk: nothing sampled
     p2 = IterationPlan((PrefillPiece(1, 5, (1, 1), True, 1),), (), 0.0)
     r2 = ex.execute(p2)
-    assert ex.kv_lens == {1: 7} and dict(r2.tokens) == {1: 0}
-    p3 = IterationPlan((), (DecodeSlot(1, 1),), 0.0)
+    assert dict(r2.tokens) == {1: 0}
+    # prefill work l*(c + (l+1)/2) of a 2-token chunk after 5 cached tokens
+    assert r2.latency_s == pytest.approx(MODEL.estimate(BatchShape((1, 1), (0, 0), (0, 0),
+                                                                   2 * (5 + 1.5))))
+    p3 = IterationPlan((), (DecodeSlot(1, 1, position=7),), 0.0)
     r3 = ex.execute(p3)
-    assert ex.kv_lens == {1: 8}
-    # decode attends to kv_len + 1 = 8 tokens on rank 1
+    # decode at KV length 7 attends to 8 tokens on rank 1
     want = MODEL.estimate(BatchShape((0, 0), (0, 1), (0, 8), 0.0))
-    assert r3.latency_s == pytest.approx(want)
+    assert r3.latency_s == pytest.approx(want) and dict(r3.tokens) == {1: 0}
     assert r3.end_s == pytest.approx(r1.latency_s + r2.latency_s + r3.latency_s)
-    ex.execute(IterationPlan((), (), 0.0, released=(1,)))
-    assert ex.kv_lens == {}
+    assert ex.now() == pytest.approx(r3.end_s)
 
 
 def test_idle_gaps_are_skipped_and_compliance_is_per_token() -> None:

@@ -13,6 +13,9 @@ its decode rank. At the prefill->decode transition the decode pages are allocate
 (the executor copies the KV into them during the completing step) and the prefill pages
 are released afterwards (:meth:`BlockManager.release_prefill`).
 
+The scheduler owns the block manager (as vLLM keeps its KV cache manager beside its
+scheduler) and copies the page ids it allocated into each plan; executors never read it.
+
 Page ids are per rank: every rank has its own free list, ids ``0..num_pages-1``.
 """
 
@@ -39,7 +42,8 @@ class PageTable:
 
 
 class _Alloc:
-    __slots__ = ("prefill", "prefill_tokens", "decode_rank", "decode", "decode_tokens")
+    __slots__ = ("prefill", "prefill_tokens", "decode_rank", "decode", "decode_tokens",
+                 "decode_view")
 
     def __init__(self) -> None:
         self.prefill: list[list[int]] | None = None
@@ -47,6 +51,7 @@ class _Alloc:
         self.decode_rank: int | None = None
         self.decode: list[int] | None = None
         self.decode_tokens = 0
+        self.decode_view: tuple[int, ...] = ()  # snapshot of ``decode`` for plans
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -151,6 +156,7 @@ class BlockManager:
                                   f"pages on rank {rank}, {len(free)} free")
         a.decode_rank = rank
         a.decode = [free.pop() for _ in range(need)]
+        a.decode_view = tuple(a.decode)
         a.decode_tokens = tokens
         if not keep_prefill:
             self.release_prefill(req)
@@ -185,6 +191,7 @@ class BlockManager:
                 raise OutOfPagesError(f"request {req}: rank {a.decode_rank} is out of pages")
             added = [free.pop() for _ in range(need)]
             a.decode.extend(added)
+            a.decode_view = tuple(a.decode)
         a.decode_tokens = max(a.decode_tokens, new_len)
         return added
 
@@ -206,6 +213,15 @@ class BlockManager:
             prefill=None if a.prefill is None else tuple(tuple(p) for p in a.prefill),
             decode_rank=a.decode_rank,
             decode=None if a.decode is None else tuple(a.decode))
+
+    def prefill_pages(self, req: int) -> tuple[tuple[int, ...], ...]:
+        """Prefill-view page ids of ``req`` per rank (empty when it holds none)."""
+        a = self._get(req)
+        return () if a.prefill is None else tuple(tuple(p) for p in a.prefill)
+
+    def decode_pages(self, req: int) -> tuple[int, ...]:
+        """Decode-view page ids of ``req`` on its decode rank (empty when it has none)."""
+        return self._get(req).decode_view
 
     def decode_rank(self, req: int) -> int | None:
         return self._get(req).decode_rank

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from conflux_jax.scheduler.latency import Affine, LatencyModel
+from conflux_jax.latency.model import Affine, LatencyModel
 
 
 @dataclasses.dataclass(frozen=True)

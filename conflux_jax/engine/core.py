@@ -1,0 +1,81 @@
+"""The one driver loop: the scheduler plans, an executor runs the plan, the scheduler commits.
+
+The serving engine runs it with the JAX executor on the wall clock; the simulator runs the
+very same loop with the simulated executor on a virtual clock, so the code measured in
+simulation is the code that serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from conflux_jax.plan import Executor, IterationPlan, StepResult
+from conflux_jax.scheduler.request import Request
+from conflux_jax.scheduler.scheduler import Scheduler
+
+# Sees each executed plan's result before the scheduler commits it, so that requests the
+# caller ends (EOS, stop strings) are dropped in the same commit.
+Observer = Callable[[IterationPlan, StepResult], None]
+
+
+class StepFailed(RuntimeError):
+    """The executor raised on a plan; the plan's requests are named so that the caller
+    can fail them (a failing step fails its requests, not the engine)."""
+
+    def __init__(self, plan: IterationPlan, cause: BaseException) -> None:
+        super().__init__(f"step failed ({len(plan.request_ids)} requests): {cause!r}")
+        self.plan = plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+    """One executed iteration: its plan, what the executor produced, who finished."""
+
+    plan: IterationPlan
+    result: StepResult
+    finished: tuple[int, ...]
+
+
+class EngineCore:
+    """Drives one scheduler and any :class:`~conflux_jax.plan.Executor`."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        if scheduler.n != executor.num_ranks:
+            raise ValueError(f"scheduler has {scheduler.n} ranks, executor "
+                             f"{executor.num_ranks}")
+        self.scheduler = scheduler
+        self.executor = executor
+
+    def add(self, request: Request) -> bool:
+        """Queue ``request``; False (nothing queued) if it can never fit the KV pools."""
+        return self.scheduler.add(request)
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request and free its KV pages."""
+        self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self, observe: Observer | None = None) -> Iteration | None:
+        """Plan, execute and commit one iteration; None when nothing could be scheduled.
+
+        Raises :class:`StepFailed` when the executor raises (the plan is committed as not
+        run, so the scheduler's KV bookkeeping stays whole).
+        """
+        sched = self.scheduler
+        plan = sched.schedule(self.executor.now())
+        if plan.empty:
+            sched.commit(plan, None)
+            return None
+        try:
+            result = self.executor.execute(plan)
+        except Exception as exc:
+            sched.commit(plan, None)
+            raise StepFailed(plan, exc) from exc
+        if observe is not None:
+            observe(plan, result)
+        finished = sched.commit(plan, result)
+        return Iteration(plan, result, tuple(finished))

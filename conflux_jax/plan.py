@@ -1,0 +1,203 @@
+"""The contract between the host scheduler and an executor (real JAX or simulated).
+
+One XP instance has N logical ranks (the mesh's ``sp`` axis). Every iteration the
+scheduler emits one :class:`IterationPlan`; the executor runs it and returns a
+:class:`StepResult`. The scheduler owns every decision (which tokens, which rank, which
+KV pages); the executor only executes, and reads nothing but the plan: token ids, page
+ids and sampling parameters all travel in it (as vLLM's scheduler output does).
+
+Plan semantics
+--------------
+* A :class:`PrefillPiece` is one chunk of one request's prompt. ``counts[r]`` tokens of
+  the chunk run on rank r, in rank order: rank 0 holds the first ``counts[0]`` tokens of
+  the chunk, rank 1 the next ``counts[1]``, and so on. ``start`` is the number of prompt
+  tokens already prefilled (and resident in KV) before this chunk, so the chunk covers
+  prompt positions ``[start, start + sum(counts))``; ``token_ids`` are those tokens. Its
+  KV is written head-sharded on every rank (the prefill view of the pages, DESIGN.md §3)
+  into ``pages[r]``.
+* ``completes`` means this chunk finishes the prompt: the executor samples the first
+  output token from the chunk's last position and moves the request's KV (all heads,
+  positions ``[0, start + length)``, one page group per entry of ``pages[r]``) into
+  ``decode_pages`` on rank ``decode_rank``.
+* A :class:`DecodeSlot` advances one resident decode on its rank by one token: the
+  request's last sampled token ``token_id`` is written to KV at ``position`` (the current
+  KV length) in ``pages`` and the next token is sampled.
+* ``released`` lists requests whose executor-side state (if an executor keeps any) is
+  dropped *before* running the plan (finished, aborted or preempted requests; their pages
+  are already back in the free lists). A preempted request later reappears as a prefill
+  piece with ``start == 0`` over its prompt plus the tokens it had generated (recompute).
+* ``mode`` says which execution path the plan needs:
+  - ``"conflux"``: co-batched prefill (Ulysses-SP) + rank-local decode (the default);
+  - ``"tp_chunked"``: uniform-TP chunked prefill; the instance is built with ``N == 1``
+    logical rank spanning all GPUs as one TP group (so counts have length 1 and every
+    decode lives on rank 0);
+  - ``"isolated_prefill"`` / ``"isolated_decode"``: phase-isolated SP iterations
+    (LoongServe-like): a plan holds only prefill pieces or only decode slots.
+* In simulation requests have no token ids: ``token_ids`` is empty and ``token_id`` 0, and
+  the simulated executor reads only the lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+PlanMode = Literal["conflux", "tp_chunked", "isolated_prefill", "isolated_decode"]
+PLAN_MODES: tuple[str, ...] = ("conflux", "tp_chunked", "isolated_prefill", "isolated_decode")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How the device samples a request's next token (the sampler's per-row inputs).
+
+    ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters; ``seed`` keys the request's random stream (with the output index).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+GREEDY = SamplingSpec()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillPiece:
+    """One prefill chunk of one request, split over ranks (see the module docstring)."""
+
+    request_id: int
+    start: int
+    counts: tuple[int, ...]
+    completes: bool = False
+    decode_rank: int | None = None
+    token_ids: tuple[int, ...] = ()  # i32[length]: positions [start, start + length)
+    pages: tuple[tuple[int, ...], ...] = ()  # i32[N, pages]: prefill-view page ids per rank
+    decode_pages: tuple[int, ...] = ()  # i32[pages] on decode_rank (completing chunks)
+    sampling: SamplingSpec = GREEDY
+    sample_step: int = 0  # index of the output token a completing chunk samples
+
+    @property
+    def length(self) -> int:
+        return sum(self.counts)
+
+
+class DecodeSlot(NamedTuple):
+    """Advance resident decode ``request_id`` on ``rank`` by one token.
+
+    A NamedTuple, not a frozen dataclass: every resident decode gets a new slot every
+    iteration, and a frozen dataclass costs 6x more to build on that hot path.
+    """
+
+    request_id: int
+    rank: int
+    position: int = 0  # KV length before this token = the position ``token_id`` is fed at
+    token_id: int = 0  # the request's last sampled token
+    pages: tuple[int, ...] = ()  # i32[pages]: decode-view page ids on ``rank``
+    sampling: SamplingSpec = GREEDY
+    sample_step: int = 0  # index of the output token this slot samples
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IterationPlan:
+    """Everything one iteration runs. Built by the scheduler, consumed by an executor."""
+
+    prefill: tuple[PrefillPiece, ...]
+    decode: tuple[DecodeSlot, ...]
+    estimated_latency_s: float
+    mode: PlanMode = "conflux"
+    released: tuple[int, ...] = ()
+    preempted: tuple[int, ...] = ()  # subset of ``released``: these will be recomputed
+    fits_slo: bool = True  # the scheduler's claim: estimated latency <= TBT SLO
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def request_ids(self) -> list[int]:
+        """Every request this plan runs (prefill pieces first)."""
+        return [p.request_id for p in self.prefill] + [d.request_id for d in self.decode]
+
+    def prefill_per_rank(self, num_ranks: int) -> list[int]:
+        """Prefill tokens n_p^r per rank."""
+        load = [0] * num_ranks
+        for p in self.prefill:
+            if len(p.counts) != num_ranks:
+                raise ValueError(f"prefill piece of request {p.request_id} has "
+                                 f"{len(p.counts)} rank counts for {num_ranks} ranks")
+            for r, c in enumerate(p.counts):
+                load[r] += c
+        return load
+
+    def decode_per_rank(self, num_ranks: int) -> list[int]:
+        """Decode tokens n_d^r per rank."""
+        load = [0] * num_ranks
+        for d in self.decode:
+            load[d.rank] += 1
+        return load
+
+    def tokens_per_rank(self, num_ranks: int) -> list[int]:
+        """Combined load n_p^r + n_d^r per rank (the bucket the executor pads to)."""
+        return [p + d for p, d in zip(self.prefill_per_rank(num_ranks),
+                                      self.decode_per_rank(num_ranks), strict=True)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sampled token: its id, log-probability and the top alternatives (best first)."""
+
+    token: int
+    logprob: float = 0.0
+    top: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one executed iteration produced.
+
+    ``sampled`` maps every request that sampled this iteration (completing prefills and
+    all decode slots) to its new token. ``latency_s`` is the iteration's wall (or virtual)
+    duration and ``end_s`` the executor clock when it finished.
+    """
+
+    sampled: Mapping[int, SampledToken]
+    latency_s: float
+    end_s: float
+
+    @property
+    def tokens(self) -> dict[int, int]:
+        return {rid: s.token for rid, s in self.sampled.items()}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVSpec:
+    """KV capacity of one XP instance: ``num_pages`` pages of ``page_size`` tokens per rank."""
+
+    num_ranks: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.num_pages * self.page_size
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs iteration plans on its own clock: the JAX executor on the wall clock, the
+    simulated one on a virtual clock. The engine's driver loop takes either."""
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def kv(self) -> KVSpec: ...
+
+    def now(self) -> float:
+        """The executor's clock (seconds): when the next plan would start."""
+        ...
+
+    def execute(self, plan: IterationPlan) -> StepResult: ...

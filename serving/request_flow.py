@@ -1,0 +1,203 @@
+"""One request's life on the HTTP side, between the routes and the ``EngineLoop``.
+
+Admission (503 while the loop is not ready, 429 when ``max_queue`` requests are in flight,
+400 / 503 when the loop refuses it), then either an SSE stream of its ``StepOutput``s or
+one collected body. A request whose client goes away (stream closed, or a non-streaming
+client disconnecting) is aborted so its KV pages are freed, and every admitted request
+records its metrics exactly once when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from conflux_jax.engine import EngineError, StepOutput
+from conflux_jax.sampling import SamplingParams
+from serving import formatting as fmt
+from serving.engine_loop import EngineLoopClosed, RequestStream
+from serving.errors import ENGINE_FAILED, APIError
+from serving.protocol import GenerationRequest
+from serving.settings import ServerState
+
+
+async def serve(state: ServerState, request: Request, body: GenerationRequest,
+                prompt_ids: list[int], sampling: SamplingParams,
+                form: fmt.ResponseFormat) -> Response:
+    """Admit the request, then answer it as an SSE stream or one JSON body."""
+    gen = await Generation.start(state, prompt_ids, sampling, body)
+    if body.stream:
+        return _SSEResponse(gen, _events(gen, form, body.include_usage_in_stream))
+    return JSONResponse(await _collect(gen, request, form))
+
+
+class Generation:
+    """One admitted request: what it produced so far, and its abort / metrics bookkeeping."""
+
+    def __init__(self, state: ServerState, prompt_ids: list[int]) -> None:
+        self.state = state
+        self.prompt_ids = prompt_ids
+        self.arrival_s = time.perf_counter()
+        self.token_ids: list[int] = []
+        self.token_times: list[float] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stream: RequestStream | None = None
+        self._recorded = False
+
+    @classmethod
+    async def start(cls, state: ServerState, ids: list[int], sampling: SamplingParams,
+                    body: GenerationRequest) -> Generation:
+        # Read per request, not captured at start-up: settings may be swapped while live.
+        loop, settings = state.loop, state.settings
+        if not loop.ready.is_set() or not loop.alive:
+            state.metrics.record_rejected(503)
+            raise APIError(503, "the server is warming up or shutting down; retry shortly",
+                           headers={"Retry-After": str(settings.retry_after_s)})
+        if state.inflight >= settings.max_queue:
+            state.metrics.record_rejected(429)
+            raise APIError(429, f"the server is at capacity ({settings.max_queue} requests "
+                                "in flight); retry later",
+                           headers={"Retry-After": str(settings.retry_after_s)})
+        gen = cls(state, ids)
+        slo: dict[str, float] = {}
+        if body.ttft_slo_ms is not None:
+            slo["ttft_slo_s"] = body.ttft_slo_ms / 1000.0
+        if body.tbt_slo_ms is not None:
+            slo["tbt_slo_s"] = body.tbt_slo_ms / 1000.0
+        state.inflight += 1
+        try:
+            gen.stream = loop.submit(ids, sampling, **slo)
+            await gen.stream.accepted
+        except (EngineError, ValueError) as exc:
+            state.inflight -= 1
+            state.metrics.record_rejected(400)
+            raise APIError(400, str(exc), param="prompt") from None
+        except EngineLoopClosed as exc:
+            state.inflight -= 1
+            state.metrics.record_rejected(503)
+            raise APIError(503, str(exc)) from None
+        except BaseException:
+            state.inflight -= 1
+            if gen.stream is not None:
+                loop.abort(gen.stream)
+            raise
+        return gen
+
+    # -- consuming outputs
+    async def outputs(self) -> AsyncIterator[StepOutput]:
+        assert self.stream is not None
+        try:
+            async for out in self.stream:
+                if out.new_token_ids:
+                    self.token_ids.extend(out.new_token_ids)
+                    self.token_times.extend([out.time_s] * len(out.new_token_ids))
+                    if out.logprobs:
+                        self.logprobs.extend(out.logprobs)
+                self.text_parts.append(out.text_delta)
+                if out.finished:
+                    self.finish_reason = out.finish_reason or "stop"
+                yield out
+        finally:
+            self.close()
+
+    async def run_to_end(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    def abort(self) -> None:
+        if self.stream is not None and not self.stream.finished:
+            self.state.loop.abort(self.stream)
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+        self.close()
+
+    def close(self) -> None:
+        """Idempotent end of the request: abort if unfinished, record metrics once."""
+        if self._recorded:
+            return
+        self._recorded = True
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+            if self.stream is not None:
+                self.state.loop.abort(self.stream)
+        self.state.inflight -= 1
+        self.state.metrics.record_request(
+            prompt_tokens=len(self.prompt_ids), token_times=self.token_times,
+            arrival_s=self.arrival_s, end_s=time.perf_counter(),
+            finish_reason=self.finish_reason)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def usage(self) -> dict[str, int]:
+        return fmt.usage(len(self.prompt_ids), len(self.token_ids))
+
+
+# ------------------------------------------------------------------------ non-streaming
+async def _collect(gen: Generation, request: Request,
+                   form: fmt.ResponseFormat) -> dict[str, Any]:
+    """Run a non-streaming request to the end, aborting it if the client disconnects."""
+    task = asyncio.ensure_future(gen.run_to_end())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                task.result()
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                gen.abort()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            gen.abort()
+    if gen.finish_reason == "error":
+        raise APIError(500, ENGINE_FAILED)
+    return form.body(gen.text, gen.token_ids, gen.logprobs, gen.finish_reason, gen.usage())
+
+
+# ---------------------------------------------------------------------------- streaming
+class _SSEResponse(StreamingResponse):
+    """SSE stream that always ends its request: a client gone before the first chunk never
+    runs the chunk generator (so its ``finally`` never runs); this ``finally`` does."""
+
+    def __init__(self, gen: Generation, chunks: AsyncIterator[bytes]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.abort()  # no-op for a request that finished
+
+
+async def _events(gen: Generation, form: fmt.ResponseFormat,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE events: the opening one, one per engine output, the usage chunk when asked for,
+    ``[DONE]``; an engine failure ends the stream with an error event. Aborts the request
+    if the client goes away before it finishes."""
+    try:
+        opening = form.opening()
+        if opening is not None:
+            yield opening
+        async for out in gen.outputs():
+            if out.finish_reason == "error":
+                yield form.engine_failed()
+                break
+            yield form.chunk(out, gen.finish_reason if out.finished else None)
+        if include_usage:
+            yield form.usage_chunk(gen.usage())
+        yield form.done()
+    finally:
+        gen.abort() if gen.finish_reason is None else gen.close()
