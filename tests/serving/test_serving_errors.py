@@ -170,10 +170,10 @@ def test_non_streaming_client_disconnect_aborts(server):
 
 
 def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server):
-    """Fault injection at the executor boundary: the next ``run`` raises once."""
+    """Fault injection at the executor boundary: the next ``execute`` raises once."""
     server.wait_idle()
     executor = server.engine.executor
-    real_run = executor.run
+    real_run = executor.execute
     armed = threading.Event()
 
     def failing_once(plan):
@@ -182,7 +182,7 @@ def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server
             raise RuntimeError("injected device failure")
         return real_run(plan)
 
-    executor.run = failing_once
+    executor.execute = failing_once
     try:
         client = server.client(api_key=KEY)
         stream = client.completions.create(model="tiny", prompt="hello", max_tokens=100,
@@ -203,7 +203,7 @@ def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
     finally:
-        executor.run = real_run
+        executor.execute = real_run
     server.wait_idle()
     assert server.leaked_pages() == 0
 
