@@ -43,7 +43,7 @@ class PageTable:
 
 class _Alloc:
     __slots__ = ("prefill", "prefill_tokens", "decode_rank", "decode", "decode_tokens",
-                 "decode_view")
+                 "prefill_view", "decode_view")
 
     def __init__(self) -> None:
         self.prefill: list[list[int]] | None = None
@@ -51,7 +51,8 @@ class _Alloc:
         self.decode_rank: int | None = None
         self.decode: list[int] | None = None
         self.decode_tokens = 0
-        self.decode_view: tuple[int, ...] = ()  # snapshot of ``decode`` for plans
+        self.prefill_view: tuple[tuple[int, ...], ...] = ()  # snapshots for plans
+        self.decode_view: tuple[int, ...] = ()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -119,6 +120,7 @@ class BlockManager:
             raise BlockManagerError(f"request {req} is already decoding")
         if a.prefill is None:
             a.prefill = [[] for _ in range(self.num_ranks)]
+            a.prefill_view = ((),) * self.num_ranks
         need = self.prefill_pages_for(total_tokens) - len(a.prefill[0])
         if need > 0:
             if need > self.min_free_pages():
@@ -130,6 +132,7 @@ class BlockManager:
             for r in range(self.num_ranks):
                 free = self._free[r]
                 a.prefill[r].extend(free.pop() for _ in range(need))
+            a.prefill_view = tuple(tuple(p) for p in a.prefill)
         a.prefill_tokens = max(a.prefill_tokens, total_tokens)
         return a.prefill
 
@@ -169,6 +172,7 @@ class BlockManager:
             for r, pages in enumerate(a.prefill):
                 self._free[r].extend(reversed(pages))
             a.prefill = None
+            a.prefill_view = ()
             a.prefill_tokens = 0
 
     def can_append_decode(self, req: int, new_len: int) -> bool:
@@ -216,8 +220,7 @@ class BlockManager:
 
     def prefill_pages(self, req: int) -> tuple[tuple[int, ...], ...]:
         """Prefill-view page ids of ``req`` per rank (empty when it holds none)."""
-        a = self._get(req)
-        return () if a.prefill is None else tuple(tuple(p) for p in a.prefill)
+        return self._get(req).prefill_view
 
     def decode_pages(self, req: int) -> tuple[int, ...]:
         """Decode-view page ids of ``req`` on its decode rank (empty when it has none)."""

@@ -64,11 +64,6 @@ class RequestState:
     def id(self) -> int:
         return self.req.id
 
-    @property
-    def last_token(self) -> int:
-        """The token a decode slot feeds: the last one sampled (0 in simulation)."""
-        return self.output_ids[-1] if self.output_ids else 0
-
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Prompt-plus-output tokens ``[start, end)`` (recompute prefills cover outputs
         too); empty for simulated requests, which carry no token ids."""

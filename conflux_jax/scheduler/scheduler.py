@@ -251,9 +251,13 @@ class Scheduler:
             if st.phase == "decode":
                 st.kv_cap += ps * len(bm.append_decode(st.id, st.kv_len + 1))
                 st.pages = bm.decode_pages(st.id)
-        return tuple(DecodeSlot(st.id, st.rank, st.kv_len, st.last_token, st.pages,
-                                st.req.sampling, st.generated)
-                     for st in self._decodes.values())
+        # tuple.__new__ skips the NamedTuple's Python-level __new__: every resident decode
+        # gets a slot every iteration, and this is the hot path of schedule().
+        new = tuple.__new__
+        return tuple([new(DecodeSlot, (st.req.id, st.rank, st.kv_len,
+                                       st.output_ids[-1] if st.output_ids else 0, st.pages,
+                                       st.req.sampling, st.generated))
+                      for st in self._decodes.values()])
 
     def _victim(self, rank: int, exclude: Iterable[int] = ()) -> RequestState:
         """Latest-arrived request holding pages on ``rank`` (decode there, or prefill)."""
