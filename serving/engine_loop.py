@@ -37,7 +37,8 @@ class EngineLoopClosed(RuntimeError):
 
 @dataclasses.dataclass
 class Stats:
-    """A snapshot the loop publishes after each iteration (read by /metrics)."""
+    """A snapshot the loop publishes after each iteration and each intake of admissions or
+    aborts (read by /metrics)."""
 
     running: int = 0
     waiting: int = 0
@@ -181,7 +182,10 @@ class EngineLoop:
             try:
                 item = self._intake.get_nowait()
             except queue.Empty:
-                return
+                break
+        # Admissions and aborts change the gauges now, not at the next step (which, after
+        # the last client disconnects, may never come).
+        self._publish_stats(stepped=False)
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Add):
@@ -214,7 +218,7 @@ class EngineLoop:
             log.exception("engine step raised; failing every in-flight request")
             self._abort_everything(f"internal error while generating: {exc!r}", reason="error")
             return
-        self._publish_stats()
+        self._publish_stats(stepped=True)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StepOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -239,7 +243,7 @@ class EngineLoop:
             out = StepOutput(rid, [], "", True, reason, now)
             _post(stream, lambda s=stream, o=out: _deliver([(s, o)]))
         self._streams.clear()
-        self._publish_stats()
+        self._publish_stats(stepped=False)
         if message:
             log.debug("aborted all requests: %s", message)
 
@@ -260,7 +264,7 @@ class EngineLoop:
         except Exception:
             log.exception("abort of request %d failed", rid)
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, stepped: bool) -> None:
         eng = self.engine
         try:
             bm = eng.scheduler.blocks
@@ -268,7 +272,7 @@ class EngineLoop:
             waiting = eng.scheduler.num_pending
             self.stats = Stats(running=max(0, eng.num_unfinished - waiting), waiting=waiting,
                                kv_usage=used / (bm.num_pages * bm.num_ranks),
-                               kv_pages_used=used, steps=self.stats.steps + 1)
+                               kv_pages_used=used, steps=self.stats.steps + stepped)
         except Exception:  # stats are best effort; never stop serving for them
             log.debug("could not read engine stats", exc_info=True)
 

@@ -61,6 +61,8 @@ def _describe(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if e.get("type") == "json_invalid":
             detail = e.get("ctx", {}).get("error", msg)
             parts.append(f"the request body is not valid JSON ({detail})")
+        elif e.get("type") == "missing" and not where:
+            parts.append("the request body is required (a JSON object)")
         elif e.get("type") == "missing":
             parts.append(f"field '{where}' is required")
         else:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -23,8 +23,33 @@ SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
+def _ill_formed(value: Any, path: str) -> str | None:
+    """Where in ``value`` the first string that is not well-formed Unicode sits (a lone
+    surrogate: JSON's ``"\\ud800"`` escapes decode to one), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+        for key in value:
+            if isinstance(key, str) and _ill_formed(key, "") is not None:
+                return f"{path}.<key>" if path else "<key>"
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for name, item in items:
+        bad = _ill_formed(item, f"{path}.{name}" if path else str(name))
+        if bad is not None:
+            return bad
+    return None
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -40,10 +65,11 @@ class _SamplingFields(BaseModel):
     seed: SeedInt | None = None
     stop: str | list[Annotated[str, Field(max_length=MAX_STOP_LEN)]] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    # Booleans are strict, as OpenAI's are: "yes" or 1 is a 400, not true.
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Per-request SLO extension (milliseconds), honoured by the scheduler.
@@ -58,6 +84,17 @@ class _SamplingFields(BaseModel):
         if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        # Before the fields: the tokenizer raises TypeError on a lone surrogate, and a
+        # typed field's own error would not say what is wrong. Refuse it as a 400 here.
+        bad = _ill_formed(data, "")
+        if bad is not None:
+            raise ValueError(f"{bad} is not well-formed Unicode text (it holds a lone "
+                             "surrogate)")
+        return data
 
     @field_validator("n")
     @classmethod
@@ -88,7 +125,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
     default_max_tokens: ClassVar[int | None] = 16
@@ -149,10 +186,10 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     @property
     def effective_max_tokens(self) -> int | None:

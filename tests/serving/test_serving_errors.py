@@ -59,6 +59,33 @@ def test_bad_fields_are_400(server, patch, needle):
     _error(_post(server, "/v1/completions", _completion(**patch)), 400, needle)
 
 
+@pytest.mark.parametrize("path, body, needle", [
+    ("/v1/completions", _completion(prompt="\ud800"), "prompt"),
+    ("/v1/completions", _completion(prompt="ok", stop=["a\udfff"]), "stop"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "\udfff"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+     "messages.0.content.0.text"),
+])
+def test_ill_formed_unicode_is_400_naming_the_field(server, path, body, needle):
+    # json.dumps escapes the lone surrogate as \ud800: valid JSON, ill-formed text.
+    r = _post(server, path, content=json.dumps(body).encode(),
+              headers={**AUTH, "Content-Type": "application/json"})
+    _error(r, 400, needle, "surrogate")
+
+
+@pytest.mark.parametrize("field", ["stream", "ignore_eos", "echo"])
+def test_booleans_are_strict(server, field):
+    _error(_post(server, "/v1/completions", _completion(**{field: "yes"})), 400, field)
+
+
+def test_an_empty_body_says_the_body_is_required(server):
+    r = _post(server, "/v1/completions", content=b"",
+              headers={**AUTH, "Content-Type": "application/json"})
+    _error(r, 400, "request body is required")
+
+
 def test_missing_field_is_400(server):
     err = _error(_post(server, "/v1/chat/completions", {"model": "tiny"}), 400, "messages")
     assert err["param"] == "messages"
@@ -158,6 +185,13 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     assert server.leaked_pages() == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}' in metrics
+    # The gauges say so too, though no step ran after the abort.
+    gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines() if line and not line.startswith("#")
+              and line.split("{")[0] in ("vllm:num_requests_running",
+                                         "vllm:kv_cache_usage_perc", "conflux:kv_pages_used")}
+    assert gauges == {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0,
+                      "conflux:kv_pages_used": 0.0}, gauges
 
 
 def test_non_streaming_client_disconnect_aborts(server):
