@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests admitted and not finished; more are refused with 429")
     p.add_argument("--ttft-slo", type=_positive, default=10.0, help="default TTFT SLO, s")
     p.add_argument("--tbt-slo", type=_positive, default=1.0, help="default TBT SLO, s")
+    p.add_argument("--overdue-grace", type=_positive, default=None,
+                   help="bounded waiting: a request still waiting this long past its TTFT "
+                        "deadline is served first, oldest first (default: the TTFT SLO)")
     p.add_argument("--policy", default="conflux",
                    choices=["conflux", "fcfs", "srpt", "chunked", "isolated"])
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -112,7 +115,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
                   EngineConfig(executor=executor, policy=args.policy,
                                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                               profile=args.model))
+                               profile=args.model, overdue_grace_s=args.overdue_grace))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,9 @@ class EngineConfig:
     # (``latency/coeffs/``), else a conservative built-in estimate.
     latency_model: LatencyModel | None = None
     profile: str | None = None  # model name for the fitted coefficients ("default", a path)
+    # Bounded waiting (SchedulerConfig.overdue_grace_s): a request still waiting this long
+    # past its TTFT deadline is served first. None = ``ttft_slo_s``; math.inf = never.
+    overdue_grace_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -102,7 +105,8 @@ class Engine:
                             token_budget=ec.buckets.max_tokens,
                             max_prefill_pieces=ec.buckets.max_prefill_seqs,
                             max_decodes_per_rank=ec.buckets.decode[-1],
-                            max_transfer_groups=self.executor.planner.transfer_groups),
+                            max_transfer_groups=self.executor.planner.transfer_groups,
+                            overdue_grace_s=config.overdue_grace_s),
             self.latency_model, BlockManager(self.executor.num_ranks, ec.num_pages, ec.page_size))
         self.core = EngineCore(self.scheduler, self.executor)
         self.max_model_len = min(ec.max_model_len, model_config.max_position_embeddings)

@@ -36,6 +36,12 @@ class SchedulerConfig:
     max_decodes_per_rank: int | None = None  # resident decodes a rank may host
     # KV page groups (prefill-view pages per rank) one iteration may move to decode ranks.
     max_transfer_groups: int | None = None
+    # Bounded waiting: a request still waiting ``overdue_grace_s`` past its TTFT deadline
+    # (None = the instance's TTFT SLO; math.inf = never, the paper's policy) is served
+    # first, oldest first; the oldest gets at least ``overdue_min_chunk`` tokens every
+    # iteration and no younger request takes the KV pages it waits for.
+    overdue_grace_s: float | None = None
+    overdue_min_chunk: int = 16
 
     def __post_init__(self) -> None:
         if self.order not in ("slo", "fcfs", "srpt"):
@@ -44,3 +50,7 @@ class SchedulerConfig:
             raise ValueError(f"unknown mode {self.mode!r}")
         if self.tbt_slo_s <= 0 or self.ttft_slo_s <= 0:
             raise ValueError("SLOs must be positive")
+        if self.overdue_grace_s is not None and not self.overdue_grace_s >= 0:
+            raise ValueError("overdue_grace_s must be non-negative")
+        if self.overdue_min_chunk < 1:
+            raise ValueError("overdue_min_chunk must be positive")

@@ -295,9 +295,21 @@ class Scheduler:
 
     # ---- prefill candidates -----------------------------------------------------------
     def _candidates(self, now: float, preempted: list[int],
-                    disp: Dispatcher | None) -> list[RequestState]:
+                    disp: Dispatcher | None) -> tuple[list[RequestState], int]:
+        """Pending requests in dispatch order, and how many overdue ones lead it.
+
+        Overdue requests (still waiting ``overdue_grace_s`` past their TTFT deadline) come
+        first, oldest first: whatever the policy's order, no request waits unboundedly.
+        """
         skip = set(preempted)
-        cands = [st for st in self._pending.values() if st.id not in skip]
+        grace = self.cfg.overdue_grace_s
+        late = now - (self.cfg.ttft_slo_s if grace is None else grace)
+        cands: list[RequestState] = []
+        overdue: list[RequestState] = []
+        for st in self._pending.values():
+            if st.id not in skip:
+                (overdue if st.deadline_s < late else cands).append(st)
+        overdue.sort(key=lambda s: (s.req.arrival_s, s.id))
         order = self.cfg.order
         if order == "fcfs":
             cands.sort(key=lambda s: (s.req.arrival_s, s.id))
@@ -309,7 +321,7 @@ class Scheduler:
             adm, rej = moore_hodgson([(s.deadline_s, s.remaining, s) for s in cands],
                                      b0, now, self._tau)
             cands = adm + rej
-        return cands
+        return overdue + cands, len(overdue)
 
     def _static_budget(self) -> int:
         if self.cfg.mode == "tp_chunked":
@@ -406,14 +418,22 @@ class Scheduler:
         self._preempted_now = preempted
         tent = _Tentative(list(ctx), list(n_d))
         max_pieces = self.cfg.max_prefill_pieces
-        for st in self._candidates(now, preempted, disp):  # Alg. 1 line 5
+        cands, n_overdue = self._candidates(now, preempted, disp)
+        for i, st in enumerate(cands):  # Alg. 1 line 5
             if max_pieces is not None and len(pieces) >= max_pieces:
                 break
             if st.id in preempted:
                 continue
             rem = st.remaining
             length, add = disp.dispatch(rem, st.prefilled)  # Alg. 1 line 6 (Alg. 2)
-            if length == 0:  # Alg. 1 line 7: the TBT-safe budget is spent
+            floor = min(rem, self.cfg.overdue_min_chunk, self._room(disp.loads)) \
+                if i == 0 and n_overdue else 0
+            if length < floor:
+                # Bounded waiting: the oldest overdue request always progresses, even
+                # past the TBT budget (the plan then says it does not fit).
+                length = floor
+                add = waterfill_assign(disp.loads, length)
+            elif length == 0:  # Alg. 1 line 7: the TBT-safe budget is spent
                 if pieces or self._decodes:
                     break
                 # Liveness: even one quantum misses the SLO on an idle instance. Run a
@@ -424,6 +444,8 @@ class Scheduler:
             # Alg. 1 lines 8-12: a completing chunk needs a decode rank (Alg. 3) or stops.
             length, completes, rank = self._claim(st, length, tent)
             if rank == _SKIP:
+                if i < n_overdue:  # younger requests must not take the pages it waits for
+                    break
                 continue
             if rank == _STOP:
                 break
@@ -433,6 +455,11 @@ class Scheduler:
             disp.commit(add, st.prefilled)  # Alg. 1 line 13
             pieces.append(self._piece(st, tuple(add), completes, rank))
         return pieces, disp.estimate()
+
+    def _room(self, loads: list[int]) -> int:
+        """Tokens the ranks' token buckets still hold this iteration."""
+        cap = self.cfg.max_tokens_per_rank
+        return sum(cap - x for x in loads if x < cap)
 
     def _dispatch_simple(self, now: float, preempted: list[int],
                          isolated: bool) -> tuple[list[PrefillPiece], float]:
@@ -445,7 +472,8 @@ class Scheduler:
         n_p = [0] * n
         a_p = 0.0
         max_pieces = self.cfg.max_prefill_pieces
-        for st in self._candidates(now, preempted, None):
+        cands, n_overdue = self._candidates(now, preempted, None)
+        for i, st in enumerate(cands):
             if budget <= 0 or (max_pieces is not None and len(pieces) >= max_pieces):
                 break
             if st.id in preempted:
@@ -453,6 +481,8 @@ class Scheduler:
             rem = st.remaining
             length, completes, rank = self._claim(st, min(rem, budget), tent)
             if rank == _SKIP:
+                if i < n_overdue:  # younger requests must not take the pages it waits for
+                    break
                 continue
             if rank == _STOP:
                 break

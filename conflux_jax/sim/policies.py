@@ -24,6 +24,7 @@ instead.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from conflux_jax.latency import LatencyModel, attention_work
@@ -68,6 +69,9 @@ class InstanceSpec:
     ttft_slo_s: float
     tbt_slo_s: float
     coeffs: Path | None = None  # fitted JSON for the conflux mesh; roofline if None
+    # The paper's policies may starve a late request (SJF / SRPT backfill); the serving
+    # engine's bounded-waiting rule (SchedulerConfig.overdue_grace_s) is opt-in here.
+    bounded_wait: bool = False
 
 
 def mesh_for(mode: str, gpus: int) -> tuple[int, int]:
@@ -106,7 +110,7 @@ def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecu
         model = roofline_model(spec.model, spec.hardware, sp=sp, tp=tp)
     pages = kv_tokens_per_rank(spec.model, spec.hardware, tp) // PAGE_SIZE
     kw: dict = dict(tbt_slo_s=spec.tbt_slo_s, ttft_slo_s=spec.ttft_slo_s, order=order,
-                    mode=mode)
+                    mode=mode, overdue_grace_s=None if spec.bounded_wait else math.inf)
     if mode == "tp_chunked":
         kw["token_budget"] = chunked_budget(model, spec.tbt_slo_s)
     if mode == "mux":

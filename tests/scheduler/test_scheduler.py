@@ -85,9 +85,17 @@ class Checked:
             if not plan.empty else 0.0
         assert plan.estimated_latency_s == pytest.approx(priced, rel=1e-9, abs=1e-12)
         if mode == "conflux" and plan.prefill and not plan.fits_slo:
-            # only the liveness fallback may exceed the SLO: idle instance, one quantum
-            assert not plan.decode and len(plan.prefill) == 1
-            assert plan.prefill[0].length <= self.s.cfg.quantum
+            # only the liveness fallback (idle instance, one quantum) or the bounded-wait
+            # floor (the oldest overdue request, overdue_min_chunk) may exceed the SLO
+            head = self.s.state(plan.prefill[0].request_id)
+            grace = self.s.cfg.overdue_grace_s
+            overdue = head.deadline_s < now - (self.s.cfg.ttft_slo_s if grace is None
+                                               else grace)
+            if overdue:
+                assert plan.prefill[0].length <= self.s.cfg.overdue_min_chunk
+            else:
+                assert not plan.decode and len(plan.prefill) == 1
+                assert plan.prefill[0].length <= self.s.cfg.quantum
         if mode == "conflux" and plan.prefill and plan.fits_slo:
             assert plan.estimated_latency_s <= TBT
             self.mixed += bool(plan.decode)
