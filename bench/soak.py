@@ -6,6 +6,11 @@ malformed requests for a fixed time; then check nothing leaked.
 
 Prints requests completed / cancelled / failed / rejected, 5xx count, leaked KV pages
 (from /metrics once the server is idle) and p50/p99 TTFT and TBT as clients see them.
+
+``--overload`` reproduces an overload from outside: prompts of 20-400 words (long ones
+near the context limit), per-request TTFT SLOs (some of 1 ms: late at once), more load
+than the machine serves. It also reports the longest wait for a first token, requests
+admitted but never served, and the gauges one second after the last client left.
 A request "fails" if it got a 5xx, a broken or truncated stream, or a token count other
 than the max_tokens it asked for (every request sets ignore_eos). The same ``run_load``
 drives the bounded reliability test in tests/serving.
@@ -47,6 +52,8 @@ class Report:
     rejected: int = 0  # 429 / 503: the server asked us to come back later
     server_errors: int = 0  # 5xx
     leaked_pages: float | None = None
+    never_served: int = 0  # admitted (200) but no first token before the client gave up
+    gauges_after: dict[str, float] | None = None  # /metrics 1 s after the load ended
     ttft_s: list[float] = dataclasses.field(default_factory=list)
     tbt_s: list[float] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)
@@ -75,7 +82,12 @@ class Report:
             f"leaked pages   {self.leaked_pages if self.leaked_pages is not None else 'n/a'}",
             f"TTFT p50/p99   {pct(self.ttft_s, 0.5)} / {pct(self.ttft_s, 0.99)}",
             f"TBT  p50/p99   {pct(self.tbt_s, 0.5)} / {pct(self.tbt_s, 0.99)}",
+            f"TTFT max       {1000 * max(self.ttft_s):.1f} ms" if self.ttft_s else "TTFT max n/a",
+            f"never served   {self.never_served}",
         ]
+        if self.gauges_after is not None:
+            lines.append("gauges +1 s    " + ", ".join(
+                f"{k.split(':')[-1]}={v:g}" for k, v in self.gauges_after.items()))
         if self.ttft_s:
             lines.append(f"TTFT mean      {1000 * statistics.fmean(self.ttft_s):.1f} ms")
         lines += [f"  failure: {f}" for f in self.failures]
@@ -86,14 +98,23 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Checkpoints, tokenizers and
            "Once upon a time", "Unicode: café naïve", "print(add(2, 40))"]
 
 
+WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on",
+         "by", "be", "this", "are", "from", "or", "at")
+
+
 async def _stream_one(client: httpx.AsyncClient, model: str, rng: random.Random,
                       report: Report, disconnect: bool, max_tokens: int,
-                      headers: dict[str, str]) -> None:
+                      headers: dict[str, str], overload: bool = False) -> None:
     chat = rng.random() < 0.5
-    prompt = rng.choice(PROMPTS) * rng.randint(1, 4)
+    if overload:  # 20-400 words, and a third of them late from the start (1 ms TTFT)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400)))
+    else:
+        prompt = rng.choice(PROMPTS) * rng.randint(1, 4)
     body: dict = {"model": model, "max_tokens": max_tokens, "stream": True,
                   "ignore_eos": True, "temperature": rng.choice([0.0, 0.7, 1.0]),
                   "stream_options": {"include_usage": True}}
+    if overload and rng.random() < 1 / 3:
+        body["ttft_slo_ms"] = 1
     if rng.random() < 0.3:
         body["seed"] = rng.randint(0, 2**31)
     if chat:
@@ -146,6 +167,8 @@ async def _stream_one(client: httpx.AsyncClient, model: str, rng: random.Random,
                     report.cancelled += 1
                     return  # leaving the block closes the connection mid-stream
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        if last is None and isinstance(exc, httpx.ReadTimeout):
+            report.never_served += 1
         report.fail(f"{path}: {type(exc).__name__}: {exc}")
         return
     if not done or usage is None:
@@ -183,7 +206,8 @@ async def run_load(url: str, *, model: str, duration_s: float, clients: int = 32
                    disconnect_frac: float = 0.2, malformed_frac: float = 0.15,
                    max_tokens: tuple[int, int] = (4, 32), seed: int = 0,
                    api_key: str | None = None, context: int = 256,
-                   max_requests: int | None = None) -> Report:
+                   max_requests: int | None = None, overload: bool = False,
+                   timeout_s: float = 120.0) -> Report:
     """``clients`` concurrent loops until ``duration_s`` (or ``max_requests``) is spent."""
     report = Report()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -195,7 +219,7 @@ async def run_load(url: str, *, model: str, duration_s: float, clients: int = 32
     async def worker(i: int) -> None:
         nonlocal started
         rng = random.Random(seed * 1000 + i)
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
             while time.monotonic() < deadline and (max_requests is None
                                                    or started < max_requests):
                 started += 1
@@ -204,7 +228,7 @@ async def run_load(url: str, *, model: str, duration_s: float, clients: int = 32
                 else:
                     await _stream_one(client, model, rng, report,
                                       rng.random() < disconnect_frac,
-                                      rng.randint(*max_tokens), headers)
+                                      rng.randint(*max_tokens), headers, overload)
 
     await asyncio.gather(*(worker(i) for i in range(clients)))
     report.elapsed_s = time.perf_counter() - t0
@@ -272,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--overload", action="store_true",
+                   help="20-400-word prompts, a third with a 1 ms TTFT SLO (see above)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a client waits for a response before it gives up")
     p.add_argument("server_args", nargs="*", help="extra `python -m serving` arguments "
                    "(after --), when this script starts the server")
     args = p.parse_args(argv)
@@ -285,7 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             url, model=name, duration_s=args.duration, clients=args.clients,
             disconnect_frac=args.disconnect_frac, malformed_frac=args.malformed_frac,
             max_tokens=tuple(args.max_tokens), seed=args.seed, api_key=args.api_key,
-            context=args.context))
+            context=args.context, overload=args.overload, timeout_s=args.timeout))
+        time.sleep(1.0)  # gauges must be true within a second of the last client leaving
+        gauges = scrape(url)
+        report.gauges_after = {k: gauges.get(k, float("nan")) for k in (
+            "vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc", "conflux:kv_pages_used")}
         report.leaked_pages = leaked_pages(url)
         alive = httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
@@ -294,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     print(report.summary())
     print(f"server alive   {alive}")
-    ok = report.failed == 0 and report.server_errors == 0 and report.leaked_pages == 0 and alive
+    ok = report.failed == 0 and report.server_errors == 0 and report.leaked_pages == 0 \
+        and report.never_served == 0 and alive
     return 0 if ok else 1
 
 
