@@ -44,7 +44,6 @@ from collections.abc import Mapping
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 PlanMode = Literal["conflux", "tp_chunked", "isolated_prefill", "isolated_decode"]
-PLAN_MODES: tuple[str, ...] = ("conflux", "tp_chunked", "isolated_prefill", "isolated_decode")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,11 +137,6 @@ class IterationPlan:
         for d in self.decode:
             load[d.rank] += 1
         return load
-
-    def tokens_per_rank(self, num_ranks: int) -> list[int]:
-        """Combined load n_p^r + n_d^r per rank (the bucket the executor pads to)."""
-        return [p + d for p, d in zip(self.prefill_per_rank(num_ranks),
-                                      self.decode_per_rank(num_ranks), strict=True)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

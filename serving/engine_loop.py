@@ -272,7 +272,7 @@ class EngineLoop:
             waiting = eng.scheduler.num_pending
             self.stats = Stats(running=max(0, eng.num_unfinished - waiting), waiting=waiting,
                                kv_usage=used / (bm.num_pages * bm.num_ranks),
-                               kv_pages_used=used, steps=self.stats.steps + stepped)
+                               kv_pages_used=used, steps=self.stats.steps + int(stepped))
         except Exception:  # stats are best effort; never stop serving for them
             log.debug("could not read engine stats", exc_info=True)
 

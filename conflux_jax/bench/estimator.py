@@ -15,8 +15,12 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from conflux_jax.scheduler.block_manager import BlockManager
 
 
 def _random_plan(ex, bm, rng: np.random.Generator, kind: str, max_ctx: int,  # noqa: ANN001
@@ -84,7 +88,7 @@ def _release(bm, plan) -> None:  # noqa: ANN001
 
 def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx: int,
             max_chunk: int, max_decodes: int, progress: bool = True, statistic: str = "min",
-            blocks=None):  # noqa: ANN001
+            blocks: BlockManager | None = None):
     """Time ``num_train + num_test`` random batches, ``repeats`` times each, in rounds.
 
     Batches are timed in random order (a machine whose speed drifts would otherwise time

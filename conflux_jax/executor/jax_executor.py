@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.executor.batch import BatchLayout, StepBatch
+from conflux_jax.executor.batch import BatchLayout, RankInputs, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
 from conflux_jax.executor.compile_guard import CompileGuard
@@ -272,7 +272,7 @@ class JaxExecutor:
         a.num_decode[:] = dcount
         return shape, batch, rows
 
-    def _fill_transfer(self, a, piece: PrefillPiece, x_slot: int) -> int:  # noqa: ANN001
+    def _fill_transfer(self, a: RankInputs, piece: PrefillPiece, x_slot: int) -> int:
         """Transfer slots moving a completed prefill's page groups to its decode pages."""
         n = self.num_ranks
         if piece.decode_rank is None or not piece.decode_pages:

@@ -213,10 +213,9 @@ class BlockManager:
 
     def page_table(self, req: int) -> PageTable:
         a = self._get(req)
-        return PageTable(
-            prefill=None if a.prefill is None else tuple(tuple(p) for p in a.prefill),
-            decode_rank=a.decode_rank,
-            decode=None if a.decode is None else tuple(a.decode))
+        return PageTable(prefill=None if a.prefill is None else a.prefill_view,
+                         decode_rank=a.decode_rank,
+                         decode=None if a.decode is None else a.decode_view)
 
     def prefill_pages(self, req: int) -> tuple[tuple[int, ...], ...]:
         """Prefill-view page ids of ``req`` per rank (empty when it holds none)."""

@@ -303,12 +303,12 @@ class Scheduler:
         """
         skip = set(preempted)
         grace = self.cfg.overdue_grace_s
-        late = now - (self.cfg.ttft_slo_s if grace is None else grace)
+        overdue_before = now - (self.cfg.ttft_slo_s if grace is None else grace)
         cands: list[RequestState] = []
         overdue: list[RequestState] = []
         for st in self._pending.values():
             if st.id not in skip:
-                (overdue if st.deadline_s < late else cands).append(st)
+                (overdue if st.deadline_s < overdue_before else cands).append(st)
         overdue.sort(key=lambda s: (s.req.arrival_s, s.id))
         order = self.cfg.order
         if order == "fcfs":
@@ -426,20 +426,20 @@ class Scheduler:
                 continue
             rem = st.remaining
             length, add = disp.dispatch(rem, st.prefilled)  # Alg. 1 line 6 (Alg. 2)
-            floor = min(rem, self.cfg.overdue_min_chunk, self._room(disp.loads)) \
-                if i == 0 and n_overdue else 0
+            # A chunk that runs even past the TBT budget (the plan then says it does not
+            # fit): the oldest overdue request always progresses (bounded waiting), and an
+            # idle instance runs one quantum rather than stall (liveness).
+            if i == 0 and n_overdue:
+                floor = min(rem, self.cfg.overdue_min_chunk, self._room(disp.loads))
+            elif length == 0 and not pieces and not self._decodes:
+                floor = min(rem, self.cfg.quantum)
+            else:
+                floor = 0
             if length < floor:
-                # Bounded waiting: the oldest overdue request always progresses, even
-                # past the TBT budget (the plan then says it does not fit).
                 length = floor
                 add = waterfill_assign(disp.loads, length)
             elif length == 0:  # Alg. 1 line 7: the TBT-safe budget is spent
-                if pieces or self._decodes:
-                    break
-                # Liveness: even one quantum misses the SLO on an idle instance. Run a
-                # minimal chunk anyway (the plan says it does not fit) rather than stall.
-                length = min(rem, self.cfg.quantum)
-                add = waterfill_assign(disp.loads, length)
+                break
             asked = length
             # Alg. 1 lines 8-12: a completing chunk needs a decode rank (Alg. 3) or stops.
             length, completes, rank = self._claim(st, length, tent)
