@@ -132,10 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 
         simulate_cpu_devices(devices_named_by(args.mesh, CPU_SIMULATED_DEVICES))
-    import uvicorn
-
     from serving.app import create_app
     from serving.engine_loop import EngineLoop
+    from serving.http_protocol import uvicorn_config
     from serving.settings import ServerSettings
 
     try:
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     loop.on_ready = ready
     # uvicorn's own start-up lines would repeat the address; our "ready" line says it once.
     uv_level = "debug" if args.log_level == "debug" else "warning"
-    server = _draining_server(uvicorn.Config(app, host=args.host, port=args.port,
+    server = _draining_server(uvicorn_config(app, host=args.host, port=args.port,
                                              log_level=uv_level, access_log=False,
                                              timeout_graceful_shutdown=120))
     failed = False

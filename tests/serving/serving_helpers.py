@@ -42,6 +42,7 @@ class LiveServer:
 
         from serving.app import create_app
         from serving.engine_loop import EngineLoop
+        from serving.http_protocol import uvicorn_config
         from serving.settings import ServerSettings
 
         self.engine = engine
@@ -54,7 +55,7 @@ class LiveServer:
         self.app = create_app(self.loop, self.settings)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

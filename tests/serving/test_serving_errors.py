@@ -270,3 +270,39 @@ def test_client_gone_before_the_first_chunk_is_cleaned_up(server):
             s.sendall(head + body)
     server.wait_idle(timeout=30)  # also waits for the HTTP side's in-flight count
     assert server.leaked_pages() == 0
+
+
+def _raw_exchange(server, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP/1.1 exchange; the server closes the connection after a parse error."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize("framing", [
+    b"Content-Length: twelve\r\n",  # not a number
+    b"Content-Length: -5\r\n",  # negative
+    b"Content-Length: 4\r\nContent-Length: 9\r\n",  # two that disagree
+    b"Transfer-Encoding: chunked\r\n",  # and a body that is not chunked
+    b"Bad Header Line\r\n",  # no colon
+])
+def test_malformed_http_framing_is_a_json_400(server, framing):
+    status, headers, body = _raw_exchange(
+        server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + framing
+        + f"Authorization: Bearer {KEY}\r\n".encode()
+        + b"Content-Type: application/json\r\n\r\n{}\r\n")
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert int(headers["content-length"]) == len(body)
+    err = json.loads(body)["error"]
+    assert err["code"] == 400 and "content-length" in err["message"].lower()
+    # The server is unharmed: the next request on a new connection is served.
+    assert _post(server, "/v1/completions", _completion()).status_code == 200
