@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 # Importing jax does not start its backend: the device flags below still take effect.
-from conflux_jax.bench.estimator import _random_plan, _release, _timed, build_executor
+from conflux_jax.bench.estimator import build_executor
+from conflux_jax.engine.profiler import ProfileSpace, random_plan, release, wall_time
 from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 from conflux_jax.scheduler.block_manager import BlockManager
 
@@ -38,19 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     ex = build_executor("default", args.mesh, max_context=768)
     rng = np.random.default_rng(args.seed)
     bm = BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size)
+    space = ProfileSpace(768, 128, 8, ex.exec_config.buckets.max_tokens,
+                         ex.model_config.vocab_size)
     rows = []
     for i in range(args.batches):
         kind = ("decode", "prefill", "mixed")[i % 3]
-        plan = _random_plan(ex, bm, rng, kind, 768, 128, 8, ex.model_config.vocab_size)
+        plan = random_plan(rng, kind, ex.num_ranks, space, bm)
         ex.execute(plan)  # first run may compile
-        times = [min(_timed(ex, plan) for _ in range(5)) for _ in range(args.trials)]
+        times = [min(wall_time(ex, plan) for _ in range(5)) for _ in range(args.trials)]
         mean = statistics.fmean(times)
         rows.append({"kind": kind, "mean_s": mean,
                      "cv_pct": 100 * statistics.pstdev(times) / mean,
                      "range_pct": 100 * (max(times) - min(times)) / mean})
         print(f"{kind:<8} mean {mean:6.3f} s   cv {rows[-1]['cv_pct']:4.1f}%   "
               f"range {rows[-1]['range_pct']:4.1f}%", flush=True)
-        _release(bm, plan)
+        release(bm, plan)
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if args.json:
         args.json.write_text(json.dumps({"mesh": args.mesh, "trials": args.trials,

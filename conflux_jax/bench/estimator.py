@@ -10,124 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-if TYPE_CHECKING:
-    from conflux_jax.scheduler.block_manager import BlockManager
-
-
-def _random_plan(ex, bm, rng: np.random.Generator, kind: str, max_ctx: int,  # noqa: ANN001
-                 max_chunk: int, max_decodes: int, vocab: int):
-    """A random plan over new requests whose pages ``bm`` allocates (free with
-    :func:`_release`). KV contents do not matter for timing, only the lengths."""
-    from conflux_jax.plan import DecodeSlot, IterationPlan, PrefillPiece
-
-    n = ex.num_ranks
-    slots, pieces = [], []
-    rid = 0
-    if kind in ("decode", "mixed"):
-        for r in range(n):
-            for _ in range(int(rng.integers(0 if kind == "mixed" else 1, max_decodes + 1))):
-                ctx = int(rng.integers(1, max_ctx))
-                ids = rng.integers(3, vocab, ctx + 1).tolist()
-                bm.transition(rid, r, ctx + 1)
-                slots.append(DecodeSlot(rid, r, position=ctx, token_id=ids[-1],
-                                        pages=bm.decode_pages(rid)))
-                rid += 1
-    if kind in ("prefill", "mixed"):
-        room = ex.exec_config.buckets.max_tokens
-        load = [0] * n
-        for s in slots:
-            load[s.rank] += 1
-        for _ in range(int(rng.integers(1, 3))):
-            free = [room - x for x in load]
-            length = int(rng.integers(1, min(max_chunk, sum(free)) + 1))
-            history = int(rng.integers(0, max_ctx - length)) if max_ctx > length + 1 else 0
-            weights = rng.dirichlet(np.ones(n))
-            counts = np.minimum(np.floor(weights * length).astype(int), free)
-            while counts.sum() < length:  # top up the ranks that still have room
-                r = int(rng.choice([i for i in range(n) if counts[i] < free[i]]))
-                counts[r] += 1
-            ids = rng.integers(3, vocab, history + length).tolist()
-            bm.allocate_prefill(rid, history + length)
-            pieces.append(PrefillPiece(rid, history, tuple(int(c) for c in counts),
-                                       token_ids=tuple(ids[history:]),
-                                       pages=bm.prefill_pages(rid)))
-            load = [a + int(c) for a, c in zip(load, counts, strict=True)]
-            rid += 1
-    return IterationPlan(tuple(pieces), tuple(slots), 0.0)
-
-
-def _timed(ex, plan) -> float:
-    """Seconds of one run of ``plan``."""
-    gc.collect()  # a collection inside a timed run is the interpreter's, not the step's
-    gc.disable()
-    try:
-        t = time.perf_counter()
-        ex.execute(plan)
-        return time.perf_counter() - t
-    finally:
-        gc.enable()
-
-
-def _reduce(times: list[float], statistic: str) -> float:
-    return min(times) if statistic == "min" else statistics.median(times)
-
-
-def _release(bm, plan) -> None:  # noqa: ANN001
-    for rid in set(plan.request_ids):
-        bm.free(rid)
-
-
-def profile(ex, num_train: int, num_test: int, repeats: int, seed: int, max_ctx: int,
-            max_chunk: int, max_decodes: int, progress: bool = True, statistic: str = "min",
-            blocks: BlockManager | None = None):
-    """Time ``num_train + num_test`` random batches, ``repeats`` times each, in rounds.
-
-    Batches are timed in random order (a machine whose speed drifts would otherwise time
-    every held-out batch after every training batch and bias the MAPE), and a batch's
-    repeats are spread over the run, one per round (back-to-back repeats all fall into
-    the same slow phase of a shared machine; across rounds the fastest escapes it). Each
-    batch is drawn from its own seed, so every round re-creates it exactly. ``blocks``
-    (a :class:`BlockManager` for the executor's KV pool) allocates the batches' pages.
-    """
-    from tqdm.auto import tqdm
-
-    from conflux_jax.latency import BatchShape, ProfileSample
-    from conflux_jax.scheduler.block_manager import BlockManager
-
-    bm = blocks or BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size)
-    vocab = ex.model_config.vocab_size
-    kinds = ["decode", "prefill", "mixed"]
-    jobs = [("train", kinds[i % 3]) for i in range(num_train)] + \
-        [("test", "mixed" if i % 2 else kinds[i % 3]) for i in range(num_test)]
-    jobs = [jobs[i] for i in np.random.default_rng(seed).permutation(len(jobs))]
-    times: list[list[float]] = [[] for _ in jobs]
-    shapes: list = [None] * len(jobs)
-    bar = tqdm(total=repeats * len(jobs), desc="profiling", disable=not progress)
-    for rnd in range(repeats):
-        for j, (_, kind) in enumerate(jobs):
-            plan = _random_plan(ex, bm, np.random.default_rng([seed, j]), kind, max_ctx,
-                                max_chunk, max_decodes, vocab)
-            if rnd == 0:
-                ex.execute(plan)  # first run may compile
-                shapes[j] = BatchShape.from_plan(plan, ex.num_ranks)
-            times[j].append(_timed(ex, plan))
-            _release(bm, plan)
-            bar.update()
-    bar.close()
-    samples: dict[str, list] = {"train": [], "test": []}
-    for (split, _), shape, ts in zip(jobs, shapes, times, strict=True):
-        samples[split].append(ProfileSample(shape, _reduce(ts, statistic)))
-    return samples["train"], samples["test"]
-
+from conflux_jax.engine.profiler import PROFILE_BUDGET
 
 PROFILE_BUCKETS = dict(tokens=(16, 64, 256), decode=(16,), max_prefill_seqs=2)
 
@@ -149,9 +35,14 @@ def build_executor(model: str, mesh: str, max_context: int):
 
 def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
     """Time the real executor; returns (train, test, the setup the fit needs)."""
+    from conflux_jax.engine.profiler import ProfileSpace, profile
+    from conflux_jax.scheduler.block_manager import BlockManager
+
     ex = build_executor(args.model, args.mesh, args.max_context)
-    train, test = profile(ex, args.train, args.test, args.repeats, args.seed,
-                          args.max_context, args.max_chunk, args.max_decodes,
+    space = ProfileSpace(args.max_context, args.max_chunk, args.max_decodes,
+                         ex.exec_config.buckets.max_tokens, ex.model_config.vocab_size)
+    train, test = profile(ex, space, args.train, args.test, args.repeats, args.seed,
+                          blocks=BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size),
                           statistic=args.statistic)
     mesh = ex.mesh_spec
     return train, test, {
@@ -192,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the real executor and fit (the only mode so far)")
     parser.add_argument("--model", default="default")
     parser.add_argument("--mesh", default="sp=4,tp=1")
-    parser.add_argument("--train", type=int, default=150)
-    parser.add_argument("--test", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--train", type=int, default=PROFILE_BUDGET["num_train"])
+    parser.add_argument("--test", type=int, default=PROFILE_BUDGET["num_test"])
+    parser.add_argument("--repeats", type=int, default=PROFILE_BUDGET["repeats"],
                         help="timed runs per batch, one per round over all batches")
-    parser.add_argument("--statistic", choices=["min", "median"], default="min",
+    parser.add_argument("--statistic", choices=["min", "median"],
+                        default=PROFILE_BUDGET["statistic"],
                         help="per batch: the fastest repeat (least disturbed) or the median")
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--max-chunk", type=int, default=192)

@@ -1,8 +1,10 @@
 """``python -m conflux_jax.bench sim``: simulated SLO attainment and goodput per policy.
 
 Every policy of :mod:`conflux_jax.sim.policies` runs the same workload through the
-simulated executor (roofline latency model unless ``--coeffs`` gives fitted ones) at
-each arrival rate. A request complies iff its i-th token arrives by
+simulated executor at each arrival rate: the truth is the roofline (``--coeffs``: a fitted
+machine model) with ``--noise``, and each scheduler plans with an estimate fitted to
+profiles of that truth. Each baseline runs at the best setting of its sweep. A request
+complies iff its i-th token arrives by
 ``arrival + TTFT_SLO + (i-1) * TBT_SLO``; goodput is the highest swept rate with at
 least 95% compliant requests (§8.1). Prints a goodput table and writes JSON (and a PNG
 of attainment vs rate).
@@ -24,8 +26,18 @@ from conflux_jax.bench.workloads import (
     load_trace_hashes,
     load_workload,
 )
-from conflux_jax.latency.roofline import MODELS
-from conflux_jax.sim.policies import POLICIES, SLOS, InstanceSpec, run_policy
+from conflux_jax.latency.roofline import ATTENTION_MODES, MODELS
+from conflux_jax.sim.policies import (
+    POLICIES,
+    SLOS,
+    InstanceSpec,
+    best_setting,
+    instance_report,
+    resolved,
+    run_policy,
+    sweep,
+    swept_value,
+)
 from conflux_jax.slo import ATTAINMENT_TARGET as TARGET
 
 DEFAULT_RATES = {
@@ -35,10 +47,8 @@ DEFAULT_RATES = {
 }
 
 
-def run_one(policy: str, model: str, hardware: str, gpus: int, reqs: list,
-            ttft: float, tbt: float, coeffs: Path | None, bounded_wait: bool = False) -> dict:
-    rep = run_policy(InstanceSpec(policy, model, hardware, gpus, ttft, tbt, coeffs,
-                                  bounded_wait), reqs)
+def run_one(spec: InstanceSpec, reqs: list) -> dict:
+    rep = run_policy(spec, reqs)
     served = [r for r in rep.records if not r.aborted]
     # A served request that never got a token waited until the simulation ended.
     waits = sorted((r.first_token_s if r.first_token_s is not None else rep.sim_seconds)
@@ -47,6 +57,7 @@ def run_one(policy: str, model: str, hardware: str, gpus: int, reqs: list,
     return {"attainment": rep.attainment, "iterations": rep.iterations,
             "preemptions": rep.preemptions, "aborted": sum(r.aborted for r in rep.records),
             "mean_ttft_s": sum(ttfts) / max(1, len(ttfts)), "sim_seconds": rep.sim_seconds,
+            "slo_claim_violations": rep.slo_claim_violations,
             "max_wait_s": waits[-1] if waits else 0.0,
             "p999_wait_s": waits[min(len(waits) - 1, int(0.999 * len(waits)))] if waits
             else 0.0}
@@ -90,12 +101,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coeffs", type=Path, help="fitted latency JSON for the conflux mesh")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="Mooncake traces only: skip the prefill of each prompt's leading "
-                         "blocks that an earlier request sent (an unbounded prefix cache, "
-                         "as vLLM / SGLang enable by default)")
+                         "blocks that an earlier request sent. An unbounded cache that "
+                         "costs nothing: an upper bound on what a real one saves")
     ap.add_argument("--bounded-wait", action="store_true",
                     help="every policy with the serving engine's bounded-waiting rule (a "
                          "request past its TTFT deadline by one TTFT SLO is served first); "
                          "default: the paper's policies, which may starve late requests")
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="the truth's relative per-iteration jitter (std), e.g. 0.05")
+    ap.add_argument("--estimate", choices=["fitted", "oracle"], default="fitted",
+                    help="what schedulers plan with: a fit to profiles of the truth (as the "
+                         "engine fits its own), or the truth itself (self-grading)")
+    ap.add_argument("--attention", choices=list(ATTENTION_MODES), default="serial",
+                    help="Conflux's attention phases: serial (as our step runs them) or the "
+                         "paper's SM-partitioned overlap (1.28x max)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="run each baseline at its default setting instead of sweeping "
+                         "Chunked's budget, MuxWise's headroom and DistServe's split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write per-rate attainment here")
     ap.add_argument("--png", type=Path, help="attainment-vs-rate plot (default: beside --json)")
@@ -114,17 +136,42 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {r: at_rate(base, r, args.num_requests, max_ctx, args.seed, hashes)
                  for r in rates}
     t0 = time.time()
-    results: dict[str, list[dict]] = {p: [] for p in args.policies}
-    jobs = [(p, r) for p in args.policies for r in rates]
-    for policy, rate in tqdm(jobs, desc="policy x rate"):
-        row = run_one(policy, args.model, args.hardware, args.gpus, workloads[rate],
-                      ttft, tbt, args.coeffs, args.bounded_wait)
-        results[policy].append({"rate": rate, **row})
+    results: dict[str, list[dict]] = {}
+    settings: dict[str, dict] = {}
+    specs = {p: resolved(InstanceSpec(p, args.model, args.hardware, args.gpus, ttft, tbt,
+                                      coeffs=args.coeffs, bounded_wait=args.bounded_wait,
+                                      noise=args.noise, estimate=args.estimate,
+                                      attention=args.attention, seed=args.seed))
+             for p in args.policies}
+    cands = {p: [s] if args.no_sweep else sweep(s) for p, s in specs.items()}
+    bar = tqdm(total=sum(len(c) for c in cands.values()) * len(rates), desc="policy x rate")
+    runs: dict[InstanceSpec, list[dict]] = {}
+
+    def score(spec: InstanceSpec) -> tuple[float, float]:
+        rows = [{"rate": r, **run_one(spec, workloads[r])} for r in rates]
+        bar.update(len(rates))
+        runs[spec] = rows
+        att = [r["attainment"] for r in rows]
+        return slo.goodput(rates, att), sum(att) / len(att)
+
+    for p, spec in specs.items():
+        if args.no_sweep:
+            score(spec)
+            best, tried = spec, []
+        else:
+            best, tried = best_setting(spec, score)
+        results[p] = runs[best]
+        settings[p] = {**instance_report(best), "swept": tried,
+                       "chosen": swept_value(best)}
+    bar.close()
     elapsed = time.time() - t0
     good = {p: slo.goodput(rates, [r["attainment"] for r in rows]) for p, rows in results.items()}
 
-    cache = ", prefix cache" if args.prefix_cache else ""
+    cache = ", unbounded prefix cache (upper bound)" if args.prefix_cache else ""
     cache += ", bounded waiting" if args.bounded_wait else ""
+    cache += f", noise {args.noise:g}" if args.noise else ""
+    cache += ", oracle estimate" if args.estimate == "oracle" else ""
+    cache += ", paper's attention overlap" if args.attention == "paper" else ""
     title = (f"{args.model} on {args.gpus}x {args.hardware}, {args.trace}{cache}, "
              f"SLO {ttft:g}s/{tbt * 1e3:g}ms, {args.num_requests} requests")
     print(title)
@@ -136,16 +183,22 @@ def main(argv: list[str] | None = None) -> int:
         att = " ".join(f"{100 * r['attainment']:.0f}" for r in rows)
         wait = " ".join(f"{r['max_wait_s']:.0f}" for r in rows)
         shown = (">=" if capped[p] else "") + f"{good[p]:g}"  # sweep ended still passing
-        print(f"{p:<20} {shown:>16}   {att}   {wait}")
+        chosen = settings[p]["chosen"]
+        print(f"{p:<20} {shown:>16}   {att}   {wait}"
+              + (f"   [best of sweep: {chosen}]" if chosen is not None else ""))
     print(f"({elapsed:.1f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "bench": "sim", "model": args.model, "hardware": args.hardware,
             "gpus": args.gpus, "trace": args.trace, "prefix_cache": args.prefix_cache,
+            "prefix_cache_model": "unbounded and free: an upper bound" if args.prefix_cache
+            else None,
             "num_requests": args.num_requests, "bounded_wait": args.bounded_wait,
             "ttft_slo_s": ttft, "tbt_slo_s": tbt, "rates": rates, "target": TARGET,
             "latency_source": str(args.coeffs) if args.coeffs else "roofline",
+            "noise": args.noise, "estimate": args.estimate, "attention": args.attention,
+            "swept": not args.no_sweep, "settings": settings,
             "goodput_rps": good, "goodput_capped_by_sweep": capped, "results": results,
             "elapsed_s": elapsed}, indent=2))
     png = args.png or (args.json.with_suffix(".png") if args.json else None)

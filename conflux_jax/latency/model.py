@@ -3,6 +3,7 @@
     T_iter = L * (T_gemm + T_attn) + overhead                    Eq. 2
     T_gemm = f_gemm(max_r (n_p^r + n_d^r))                       Eq. 3
     T_attn = max(beta * T_P, alpha * T_D)  (both paths; else T_P + T_D)   Eq. 4
+             (T_P + T_D always with ``serial_attention``: our step's order)
     T_D    = max_r f_D(sum_{i in D_r} c_i)                       Eq. 5
     T_P    = f_comm(max_r n_p^r) + f_P((1/N) * sum_i l_i * (c_i + (l_i + 1)/2))   Eq. 6
 
@@ -106,6 +107,9 @@ class LatencyModel:
     # fitted that way; ``gemm`` then only prices loads beyond the largest bucket.
     gemm_per_bucket: tuple[float, ...] = ()
     shared_cores: bool = False  # ranks time-share host cores (simulated CPU mesh)
+    # Prefill and decode attention run one after the other (T_P + T_D, as our step runs
+    # them), not overlapped as Eq. 4 models the paper's SM-partitioned kernels.
+    serial_attention: bool = False
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     # ---- evaluation ---------------------------------------------------------------
@@ -156,7 +160,7 @@ class LatencyModel:
         if max_load <= 0:
             return 0.0
         t_p = self.prefill_path(max_np, a_p, max_load)
-        if t_p > 0.0 and t_d > 0.0:
+        if t_p > 0.0 and t_d > 0.0 and not self.serial_attention:
             bp = self.beta * t_p
             ad = self.alpha * t_d
             t_attn = bp if bp > ad else ad
@@ -178,7 +182,7 @@ class LatencyModel:
             "alpha": self.alpha, "beta": self.beta, "overhead_s": self.overhead_s,
             "token_buckets": list(self.token_buckets), "shared_cores": self.shared_cores,
             "gemm_per_bucket": list(self.gemm_per_bucket),
-            "meta": self.meta,
+            "serial_attention": self.serial_attention, "meta": self.meta,
         }
 
     @classmethod
@@ -190,6 +194,7 @@ class LatencyModel:
                    token_buckets=tuple(int(b) for b in d.get("token_buckets", ())),
                    shared_cores=bool(d.get("shared_cores", False)),
                    gemm_per_bucket=tuple(float(x) for x in d.get("gemm_per_bucket", ())),
+                   serial_attention=bool(d.get("serial_attention", False)),
                    meta=dict(d.get("meta", {})))
 
     def save(self, path: str | Path) -> None:

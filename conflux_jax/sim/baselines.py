@@ -10,16 +10,18 @@
   ``1 + eps``. It prices plans like a :class:`LatencyModel` with N = 1, so the normal
   scheduler (waterfill on one rank = largest TBT-safe chunk) and simulator drive it.
 * :func:`simulate_disaggregated` — static prefill/decode disaggregation (DistServe-like):
-  a prefill instance (TP over half the GPUs) runs whole prompts in prefill-only
-  batches; each finished prompt's KV crosses NVLink (prompt * KV bytes / bandwidth)
-  to a decode instance (TP over the other half) that runs decode-only iterations; a
-  request waits at the decode instance's door while its KV pool is full.
+  prefill instances run whole prompts in prefill-only batches; each finished prompt's
+  KV crosses NVLink (prompt * KV bytes / bandwidth) to a decode instance that runs
+  decode-only iterations; a request waits at the decode side's door while every pool is
+  full. The split (TP degree and replicas of each phase) is swept like DistServe's own
+  placement search (:func:`conflux_jax.sim.policies.disagg_splits`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import random
 from collections.abc import Sequence
 
 from conflux_jax.latency import BatchShape, LatencyModel, attention_work
@@ -37,6 +39,9 @@ class MuxLatency:
     s_min: float = 0.1
     s_max: float = 0.9
     eps: float = 0.1  # cross-kernel contention inflation
+    # Decode's SM share is sized for (1 - headroom) * TBT. With none, decode alone fills the
+    # whole TBT and every prefill chunk then hangs on a float equality; swept per workload.
+    headroom: float = 0.05
 
     num_ranks: int = 1
 
@@ -48,7 +53,7 @@ class MuxLatency:
 
     def decode_share(self, t_dec: float) -> float:
         """Fewest SMs that keep the decode pass within the TBT SLO."""
-        s = self.s_sat * t_dec * (1 + self.eps) / self.tbt_slo_s
+        s = self.s_sat * t_dec * (1 + self.eps) / (self.tbt_slo_s * (1.0 - self.headroom))
         return min(self.s_max, max(self.s_min, s))
 
     def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float) -> float:
@@ -75,35 +80,53 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
                            decode_model: LatencyModel, decode_kv_tokens: int,
                            kv_bytes_per_token: float, ttft_slo_s: float, tbt_slo_s: float,
                            order: str = "fcfs", max_batch_tokens: int = 16384,
-                           link_bw: float = 450e9 * 0.8) -> SimReport:
-    """Discrete-event run of one prefill and one decode instance (both N = 1)."""
+                           link_bw: float = 450e9 * 0.8, prefill_replicas: int = 1,
+                           decode_replicas: int = 1, noise: float = 0.0,
+                           seed: int = 0) -> SimReport:
+    """Discrete-event run of ``prefill_replicas`` prefill and ``decode_replicas`` decode
+    instances (each N = 1; ``decode_kv_tokens`` is one decode instance's pool).
+
+    The next prefill batch goes to the first free prefill instance; a transferred KV goes
+    to the first decode instance that has room for it. ``noise`` is the truth's relative
+    per-iteration jitter, as :class:`~conflux_jax.sim.executor.SimExecutor` applies it.
+    """
+    rng = random.Random(seed)
+
+    def jitter(t: float) -> float:
+        return t * max(0.0, 1.0 + rng.gauss(0.0, noise)) if noise else t
+
     reqs = sorted(requests, key=lambda r: (r.arrival_s, r.id))
     recs = {r.id: RequestRecord(r.id, r.arrival_s, r.prompt_len, r.max_new_tokens)
             for r in reqs}
-    t_p = t_d = 0.0
+    t_p = [0.0] * prefill_replicas
+    t_d = [0.0] * decode_replicas
+    kv_used = [0] * decode_replicas
+    decoding: list[dict[int, list[int]]] = [{} for _ in range(decode_replicas)]
     i = 0
     queue: list[Request] = []
     transfer: list[tuple[float, int, Request]] = []  # (ready time, id, request) heap
-    decoding: dict[int, list[int]] = {}  # id -> [kv_len, generated, max_new]
-    kv_used = 0
     iters = 0
 
     def emit(rid: int, t: float) -> None:
         recs[rid].token_at(t, ttft_slo_s, tbt_slo_s)
 
-    for r in reqs:  # a request longer than the decode pool can never be served
+    for r in reqs:  # a request longer than a decode pool can never be served
         if r.prompt_len + r.max_new_tokens > decode_kv_tokens:
             recs[r.id].aborted = True
     reqs = [r for r in reqs if not recs[r.id].aborted]
     n = len(reqs)
     inf = float("inf")
-    while i < n or queue or transfer or decoding:
+    while i < n or queue or transfer or any(decoding):
         # Discrete events: run whichever instance can act earliest (prefill on ties).
-        p_next = t_p if queue else (max(t_p, reqs[i].arrival_s) if i < n else inf)
-        d_next = t_d if decoding else (max(t_d, transfer[0][0]) if transfer else inf)
-        if p_next <= d_next:
-            t_p = p_next
-            while i < n and reqs[i].arrival_s <= t_p:
+        p_k = min(range(prefill_replicas), key=t_p.__getitem__)
+        p_next = t_p[p_k] if queue else (max(t_p[p_k], reqs[i].arrival_s) if i < n else inf)
+        d_times = [t_d[m] if decoding[m] else
+                   (max(t_d[m], transfer[0][0]) if transfer else inf)
+                   for m in range(decode_replicas)]
+        d_m = min(range(decode_replicas), key=d_times.__getitem__)
+        if p_next <= d_times[d_m]:
+            t = t_p[p_k] = p_next
+            while i < n and reqs[i].arrival_s <= t:
                 queue.append(reqs[i])
                 i += 1
             if order == "srpt":
@@ -114,39 +137,44 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
                 batch.append(r)
                 tokens += _uncached(r)
             a_p = sum(attention_work(_uncached(r), r.cached_prefix) for r in batch)
-            t_p += prefill_model.iteration(tokens, tokens, a_p, 0.0)
+            t = t_p[p_k] = t + jitter(prefill_model.iteration(tokens, tokens, a_p, 0.0))
             iters += 1
             for r in batch:
-                emit(r.id, t_p)
+                emit(r.id, t)
                 if r.max_new_tokens == 1:
-                    recs[r.id].finish_s = t_p
+                    recs[r.id].finish_s = t
                 else:
-                    ready = t_p + r.prompt_len * kv_bytes_per_token / link_bw
+                    ready = t + r.prompt_len * kv_bytes_per_token / link_bw
                     heapq.heappush(transfer, (ready, r.id, r))
             continue
         # Decode instance: admit transferred KV that fits, then one decode-only iteration.
-        t_d = d_next
-        while transfer and transfer[0][0] <= t_d:
+        m = d_m
+        t = t_d[m] = d_times[m]
+        while transfer and transfer[0][0] <= t:
             r = transfer[0][2]
             need = r.prompt_len + r.max_new_tokens
-            if kv_used + need > decode_kv_tokens:
+            if kv_used[m] + need > decode_kv_tokens:
                 break
             heapq.heappop(transfer)
-            kv_used += need  # reserve the whole output: no preemption on this side
-            decoding[r.id] = [r.prompt_len, 1, r.max_new_tokens]
-        w = sum(s[0] + 1 for s in decoding.values())
-        t_d += decode_model.iteration(len(decoding), 0, 0.0, decode_model.decode_path(w))
+            kv_used[m] += need  # reserve the whole output: no preemption on this side
+            decoding[m][r.id] = [r.prompt_len, 1, r.max_new_tokens]
+        # An idle instance's pool is empty and every request fits one (checked above).
+        assert decoding[m]
+        w = sum(s[0] + 1 for s in decoding[m].values())
+        t = t_d[m] = t + jitter(decode_model.iteration(
+            len(decoding[m]), 0, 0.0, decode_model.decode_path(w)))
         iters += 1
         done = []
-        for rid, s in decoding.items():
-            s[0] += 1
-            s[1] += 1
-            emit(rid, t_d)
-            if s[1] >= s[2]:
+        for rid, st in decoding[m].items():
+            st[0] += 1
+            st[1] += 1
+            emit(rid, t)
+            if st[1] >= st[2]:
                 done.append(rid)
         for rid in done:
-            s = decoding.pop(rid)
-            kv_used -= recs[rid].prompt_len + s[2]
-            recs[rid].finish_s = t_d
-    return SimReport(records=list(recs.values()), iterations=iters, sim_seconds=max(t_p, t_d),
-                     busy_seconds=0.0, preemptions=0, slo_claim_violations=0)
+            st = decoding[m].pop(rid)
+            kv_used[m] -= recs[rid].prompt_len + st[2]
+            recs[rid].finish_s = t
+    return SimReport(records=list(recs.values()), iterations=iters,
+                     sim_seconds=max(t_p + t_d), busy_seconds=0.0, preemptions=0,
+                     slo_claim_violations=0)

@@ -71,6 +71,9 @@ def simulate(requests: Sequence[Request], scheduler: Scheduler, executor: SimExe
     reqs = sorted(requests, key=lambda r: (r.arrival_s, r.id))
     recs = {r.id: RequestRecord(r.id, r.arrival_s, r.prompt_len, r.max_new_tokens)
             for r in reqs}
+    # Graded by each request's own SLOs where it states them, as the scheduler plans.
+    slos = {r.id: (ttft_slo_s if r.ttft_slo_s is None else r.ttft_slo_s,
+                   tbt_slo_s if r.tbt_slo_s is None else r.tbt_slo_s) for r in reqs}
     i = 0
     iters = 0
     claim_violations = 0
@@ -93,12 +96,12 @@ def simulate(requests: Sequence[Request], scheduler: Scheduler, executor: SimExe
                 continue
             raise RuntimeError("scheduler stalled: work left but nothing schedulable")
         result = it.result
-        if it.plan.fits_slo and result.latency_s > tbt_slo_s * (1 + 1e-9) \
-                and not executor.noise:
+        # The scheduler's claim against the truth's clock: estimate error (and noise).
+        if it.plan.fits_slo and result.latency_s > tbt_slo_s * (1 + 1e-9):
             claim_violations += 1
         end = result.end_s
         for rid in result.sampled:
-            recs[rid].token_at(end, ttft_slo_s, tbt_slo_s)
+            recs[rid].token_at(end, *slos[rid])
         for rid in it.finished:
             recs[rid].finish_s = end
         if on_plan is not None:

@@ -51,6 +51,13 @@ def test_sim_writes_json_and_png(tmp_path) -> None:
     assert [r["rate"] for r in d["results"]["ConfluxServe"]] == [1, 6]
     assert 0.0 <= d["results"]["Chunked"][0]["attainment"] <= 1.0
     assert out.with_suffix(".png").stat().st_size > 1000
+    # Per policy: the estimate it planned with, and for a baseline its sweep and choice.
+    conflux, chunked = d["settings"]["ConfluxServe"], d["settings"]["Chunked"]
+    assert conflux["estimate"]["source"] == "fitted" and conflux["chosen"] is None
+    assert conflux["estimate"]["test_mape_vs_truth_pct"] > 0
+    budgets = [t["value"] for t in chunked["swept"]]
+    assert len(budgets) >= 5 and chunked["chosen"] in budgets
+    assert chunked["token_budget"] == chunked["chosen"]
 
 
 def test_goodput_and_workloads() -> None:
@@ -84,7 +91,7 @@ def test_sim_prefix_cache_needs_hashes_and_raises_attainment(tmp_path, capsys) -
         out = tmp_path / f"s{len(flag)}.json"
         assert main(["sim", "--model", "llama3.1-8b", "--trace", str(trace), "--rates", "8",
                      "--num-requests", "60", "--policies", "ConfluxServe", "Chunked",
-                     "--json", str(out), *flag]) == 0
+                     "--no-sweep", "--json", str(out), *flag]) == 0
         d = json.loads(out.read_text())
         assert d["prefix_cache"] == bool(flag)
         got[bool(flag)] = {p: rows[0]["attainment"] for p, rows in d["results"].items()}

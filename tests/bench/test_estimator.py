@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from tiny_models import TINY_LLAMA
 
-from conflux_jax.bench.estimator import _load_samples, _random_plan, _release, main, profile
+from conflux_jax.bench.estimator import _load_samples, main
+from conflux_jax.engine.profiler import ProfileSpace, profile, random_plan, release
 from conflux_jax.executor.buckets import BucketConfig
 from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
 from conflux_jax.latency import BatchShape, LatencyModel, coeffs_path, fit, mape
@@ -62,8 +63,10 @@ def test_profile_times_every_batch_once_per_round_and_frees_everything():
     real_run = ex.execute
     ex.execute = lambda plan: runs.append(plan) or real_run(plan)
     bm = BlockManager(4, ec.num_pages, ec.page_size)
-    train, test = profile(ex, num_train=4, num_test=3, repeats=3, seed=7, max_ctx=64,
-                          max_chunk=32, max_decodes=2, progress=False, blocks=bm)
+    space = ProfileSpace(max_context=64, max_chunk=32, max_decodes=2,
+                         tokens_per_rank=buckets.max_tokens, vocab=TINY_LLAMA.vocab_size)
+    train, test = profile(ex, space, num_train=4, num_test=3, repeats=3, seed=7,
+                          progress=False, blocks=bm)
     assert (len(train), len(test)) == (4, 3)
     # One untimed first run per batch, then one timed run per round; each round re-creates
     # the same batch from its own seed.
@@ -78,10 +81,9 @@ def test_profile_times_every_batch_once_per_round_and_frees_everything():
     jobs = [kinds[i] for i in order]
     want = []
     for j, kind in enumerate(jobs):
-        plan = _random_plan(ex, bm, np.random.default_rng([7, j]), kind, 64, 32, 2,
-                            TINY_LLAMA.vocab_size)
+        plan = random_plan(np.random.default_rng([7, j]), kind, 4, space, bm)
         want.append((order[j] < 4, BatchShape.from_plan(plan, 4)))
-        _release(bm, plan)
+        release(bm, plan)
     assert [s.shape for s in train] == [shape for is_train, shape in want if is_train]
     assert [s.shape for s in test] == [shape for is_train, shape in want if not is_train]
     assert all(s.seconds > 0 for s in train + test)

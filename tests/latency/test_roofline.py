@@ -43,7 +43,7 @@ def test_h200_decodes_faster_and_sp_splits_prefill() -> None:
 def test_tp_and_kv_capacity() -> None:
     tp2 = roofline_model("qwen3-32b", "h100", sp=4, tp=2)
     assert tp2.meta == {"model": "qwen3-32b", "hardware": "h100", "sp": 4, "tp": 2,
-                        "source": "roofline"}
+                        "source": "roofline", "attention": "serial"}
     assert 200_000 < kv_tokens_per_rank("qwen3-14b", "h100") < 300_000
     with pytest.raises(ValueError):
         roofline_model("qwen3-14b", "h100", sp=16)  # more SP ranks than KV heads

@@ -196,7 +196,9 @@ def test_fcfs_and_srpt_orders() -> None:
 def test_named_policies_keep_invariants_at_real_kv_sizes(policy: str) -> None:
     from conflux_jax.sim.policies import InstanceSpec, build_instance
 
-    sched, ex = build_instance(InstanceSpec(policy, "llama3.1-8b", "h200", 4, TTFT, TBT))
+    # The oracle estimate: the scheduler's claims are checked against its own model here.
+    sched, ex = build_instance(InstanceSpec(policy, "llama3.1-8b", "h200", 4, TTFT, TBT,
+                                            estimate="oracle"))
     checked = Checked(sched, ex)
     report = simulate(_requests(seed=5, count=200, rate=5.0, max_prompt=20_000), checked, ex,
                       TTFT, TBT)
