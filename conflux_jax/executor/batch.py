@@ -62,8 +62,12 @@ class RankInputs:
     num_decode: jax.Array  # i32[N]      live decode slots on the rank
     prefill_slot: jax.Array  # i32[N, N*P] prefill-view KV slot per kernel-ordered token
     prefill_pages: jax.Array  # i32[N, S, Wp] prefill-view page table (per-rank page ids)
+    # Transfer groups are sorted by decode rank, the same order on every rank (each rank
+    # holds one head shard of every group): destination d's groups are the slice
+    # SharedInputs.transfer_start[d] : + transfer_count[d].
     transfer_src: jax.Array  # i32[N, X]   prefill-view pages to move (one page group each)
-    transfer_dst: jax.Array  # i32[N, X*N] decode-view destination pages here (pad: pages)
+    transfer_dst: jax.Array  # i32[N, X*N] decode pages here of the groups this rank
+    #                                       receives, in arrival order (pad: num_pages)
     sample: SampleRows
 
 
@@ -77,6 +81,8 @@ class SharedInputs:
     cu_q_lens: jax.Array  # i32[S+1]
     kv_lens: jax.Array  # i32[S]
     num_seqs: jax.Array  # i32[1]
+    transfer_start: jax.Array  # i32[N] first transfer group bound for decode rank d
+    transfer_count: jax.Array  # i32[N] transfer groups bound for decode rank d
 
 
 @jax.tree_util.register_dataclass
@@ -111,7 +117,8 @@ class StepBatch:
         shared = SharedInputs(
             perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
             cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),
-            num_seqs=np.zeros((1,), i32))
+            num_seqs=np.zeros((1,), i32), transfer_start=np.zeros((n,), i32),
+            transfer_count=np.zeros((n,), i32))
         return cls(rank, shared)
 
     @staticmethod

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.executor.batch import BatchLayout, RankInputs, StepBatch
+from conflux_jax.executor.batch import BatchLayout, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
 from conflux_jax.executor.compile_guard import CompileGuard
@@ -31,6 +31,7 @@ from conflux_jax.executor.step import (
     build_step,
     kv_pool_shape,
     param_specs,
+    transfer_link_bytes,
 )
 from conflux_jax.models.params import Params
 from conflux_jax.plan import (
@@ -96,6 +97,7 @@ class JaxExecutor:
                                        StepBatch.specs())
         self._compiled: dict[StepShape, Any] = {}
         self.guard = CompileGuard()
+        self.last_transfer_bytes = 0  # link bytes of the last step's KV transfer
         self.clock_start = time.perf_counter()
 
     # ------------------------------------------------------------------ protocol
@@ -153,6 +155,7 @@ class JaxExecutor:
                 raise RuntimeError(f"step shape {shape} was not compiled at warm-up")
             self.compile_shape(shape)
             compiled = self._compiled[shape]
+        self.last_transfer_bytes = self.transfer_bytes(host)
         batch = jax.device_put(host, self._shardings)
         with self.guard.watch():
             out = compiled(self.params, self.k_pool, self.v_pool, batch)
@@ -182,15 +185,19 @@ class JaxExecutor:
                              f"{max_seqs} fit a step")
         n_p = plan.prefill_per_rank(n)
         n_d = plan.decode_per_rank(n)
-        completing = [p for p in plan.prefill if p.completes]
+        # Transfer groups in decode-rank order: each destination's groups are one slice
+        # (what the ragged all-to-all sends).
+        completing = sorted((p for p in plan.prefill if p.completes),
+                            key=lambda p: -1 if p.decode_rank is None else p.decode_rank)
         groups_moved = sum(len(p.pages[0]) for p in completing if p.pages)
+        if groups_moved > self.planner.transfer_groups:
+            raise ValueError(f"plan moves {groups_moved} KV page groups to decode ranks; a "
+                             f"step moves at most {self.planner.transfer_groups}")
         shape = self.planner.shape_for(
             prefill_max=max(n_p), decode_max=max(n_d),
             combined_max=max(a + b for a, b in zip(n_p, n_d, strict=True)),
-            decode_pages_max=max((len(s.pages) for s in plan.decode), default=1))
-        if groups_moved > shape.transfer:
-            raise ValueError(f"plan moves {groups_moved} KV page groups to decode ranks; a "
-                             f"step moves at most {shape.transfer}")
+            decode_pages_max=max((len(s.pages) for s in plan.decode), default=1),
+            transfer_max=groups_moved)
         p = shape.prefill
         batch = StepBatch.padding(shape, self.layout)
         a, meta, rows_in = batch.rank, batch.shared, batch.rank.sample
@@ -213,7 +220,6 @@ class JaxExecutor:
         fill = [0] * n
         kernel_pos = 0
         used_a2a = np.zeros(n * p, bool)
-        x_slot = 0
         for s, piece in enumerate(plan.prefill):
             _check_piece(piece, n)
             tokens = np.asarray(piece.token_ids, np.int32)
@@ -243,7 +249,8 @@ class JaxExecutor:
                 last_rank = max(r for r, c in enumerate(piece.counts) if c)
                 add_sample(last_rank, fill[last_rank] - 1, piece.request_id, piece.sampling,
                            piece.sample_step)
-                x_slot = self._fill_transfer(a, piece, x_slot)
+        for piece in completing:
+            self._fill_transfer(batch, piece)
         meta.cu_q_lens[len(plan.prefill) + 1:] = kernel_pos
         meta.num_seqs[0] = len(plan.prefill)
         if p:
@@ -272,21 +279,34 @@ class JaxExecutor:
         a.num_decode[:] = dcount
         return shape, batch, rows
 
-    def _fill_transfer(self, a: RankInputs, piece: PrefillPiece, x_slot: int) -> int:
-        """Transfer slots moving a completed prefill's page groups to its decode pages."""
+    def _fill_transfer(self, batch: StepBatch, piece: PrefillPiece) -> None:
+        """Transfer slots moving a completed prefill's page groups to its decode pages.
+
+        Called in decode-rank order: the piece's groups follow those already placed, so
+        each destination's groups stay one contiguous slice."""
         n = self.num_ranks
+        a, meta = batch.rank, batch.shared
         if piece.decode_rank is None or not piece.decode_pages:
             raise ValueError(f"request {piece.request_id} completes its prefill without "
                              "decode pages")
-        dst = piece.decode_pages
+        d, dst = piece.decode_rank, piece.decode_pages
+        x_slot = int(meta.transfer_count.sum())
+        if meta.transfer_count[d] == 0:
+            meta.transfer_start[d] = x_slot
+        received = int(meta.transfer_count[d])  # the groups' index on arrival at d
         for g in range(len(piece.pages[0])):
             for r in range(n):
-                a.transfer_src[r, x_slot] = piece.pages[r][g]
+                a.transfer_src[r, x_slot + g] = piece.pages[r][g]
             for m in range(n):
                 if g * n + m < len(dst):
-                    a.transfer_dst[piece.decode_rank, x_slot * n + m] = dst[g * n + m]
-            x_slot += 1
-        return x_slot
+                    a.transfer_dst[d, (received + g) * n + m] = dst[g * n + m]
+        meta.transfer_count[d] += len(piece.pages[0])
+
+    def transfer_bytes(self, batch: StepBatch) -> int:
+        """Bytes one step's KV transfer sends over links (K and V, every layer): each moved
+        page group is N decode pages, N-1 of which leave another rank."""
+        return transfer_link_bytes(self.step_config, int(batch.shared.transfer_count.sum()),
+                                   jnp.dtype(self.exec_config.dtype).itemsize)
 
 
 def _check_piece(piece: PrefillPiece, num_ranks: int) -> None:

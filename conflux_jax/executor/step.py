@@ -6,7 +6,8 @@ Per rank and per layer (DESIGN.md §3, paper §4):
 2. Prefill slice ``[P]``: all-to-all over ``sp`` (sequence-sharded -> head-sharded), write
    K/V into this rank's head-sharded pages (the prefill view of the pool), ragged paged
    attention over every prefill sequence of the iteration, all-to-all back. Requests whose
-   final chunk ran move their KV, page group by page group, to their decode rank.
+   final chunk ran move their KV, page group by page group, to their decode rank only (a
+   ragged all-to-all sized by the groups that complete; none compiled when none do).
 3. Decode slice ``[D]``: write K/V into rank-local full-head pages, paged attention over
    the rank's own decode requests.
 4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
@@ -25,7 +26,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.executor.batch import RankInputs, SampledRows, StepBatch, StepOutputs
+from conflux_jax.executor.batch import (
+    RankInputs,
+    SampledRows,
+    SharedInputs,
+    StepBatch,
+    StepOutputs,
+)
 from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params
@@ -55,6 +62,15 @@ def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
 
 
 KV_POOL_SPEC = P(SP, None, None, None, TP, None)
+
+
+def transfer_link_bytes(cfg: StepConfig, groups: int, itemsize: int) -> int:
+    """Bytes ``groups`` moved page groups send over links in one step (K and V, all
+    layers): a group is N decode pages of all heads, of which the decode rank already
+    holds one head shard (N-1 cross a link)."""
+    m = cfg.model
+    page = cfg.page_size * m.num_kv_heads * m.head_dim * itemsize
+    return 2 * m.num_layers * groups * (cfg.num_ranks - 1) * page
 
 
 def param_specs(params: Params) -> Params:
@@ -106,8 +122,8 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
             kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
             vp = _write_stacked(vp, layer, va, b.prefill_slot, view)
             if x_groups:
-                kp = _transfer(_layers_as_pages(kp, view), kp, layer, base, b, n)
-                vp = _transfer(_layers_as_pages(vp, view), vp, layer, base, b, n)
+                kp = _transfer(_layers_as_pages(kp, view), kp, layer, base, b, meta)
+                vp = _transfer(_layers_as_pages(vp, view), vp, layer, base, b, meta)
         idx = jnp.minimum(b.decode_index, t - 1)
         kp = _write_stacked(kp, layer, k[idx], b.decode_slot, kp.shape[1:])
         vp = _write_stacked(vp, layer, v[idx], b.decode_slot, vp.shape[1:])
@@ -166,20 +182,49 @@ def _layers_as_pages(pool: jax.Array, view: tuple[int, ...]) -> jax.Array:
 
 
 def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base: jax.Array,
-              b: RankInputs, n: int) -> jax.Array:
+              b: RankInputs, meta: SharedInputs) -> jax.Array:
     """Move completed prefills' head-sharded KV into full-head pages on their decode rank.
 
     prefill_pages f[L*pages, ps*N, Hkv/N, d] (all layers, prefill view; this layer's pages
-    start at ``base``); pool f[L, pages, ps, Hkv, d]. Each
-    moved page group is N prefill-view pages (one per rank, one head shard each) = N
-    decode pages.
+    start at ``base``); pool f[L, pages, ps, Hkv, d]. Each moved page group is N
+    prefill-view pages (one per rank, one head shard each) = N decode pages.
     """
-    _, pages, ps, hkv, hd = pool.shape
-    src = prefill_pages[b.transfer_src + base]  # [X, ps*N, Hkv/N, d]
-    gathered = jax.lax.all_gather(src, SP, axis=0)  # [N(head shard), X, ps*N, Hkv/N, d]
-    x = src.shape[0]
-    full = jnp.moveaxis(gathered, 0, 2).reshape(x * n, ps, hkv, hd)
+    _, _, ps, hkv, hd = pool.shape
+    n, x = meta.transfer_count.shape[0], b.transfer_src.shape[0]
+    src = prefill_pages[b.transfer_src + base]  # [X, ps*N, Hkv/N, d]: this rank's shard
+    recv = _send_to_decode_ranks(src, meta.transfer_start, meta.transfer_count)
+    # [N(head shard), X, ps*N, Hkv/N, d] -> [X, ps*N, Hkv, d] -> N decode pages per group
+    full = jnp.moveaxis(recv.reshape(n, x, *src.shape[1:]), 0, 2).reshape(x * n, ps, hkv, hd)
     return pool.at[layer, b.transfer_dst].set(full, mode="drop")
+
+
+def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+    """Send each rank's groups ``src[start[d]:start[d]+count[d]]`` (f[X, ...]) to rank d only.
+
+    start, count i32[N] (the same on every rank). Returns f[N*X, ...] on every rank: row
+    ``r*X + j`` is source rank r's j-th group bound here; rows past ``count[me]`` are 0.
+    On GPU and TPU a ragged all-to-all moves exactly the live groups. XLA:CPU has no
+    ragged all-to-all, so there a dense all-to-all of per-destination padded blocks gives
+    the same result (simulated ranks share host memory: no link to save).
+    """
+    n, x = start.shape[0], src.shape[0]
+    me = jax.lax.axis_index(SP)
+
+    def ragged(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+        out = jnp.zeros((n * x, *src.shape[1:]), src.dtype)
+        return jax.lax.ragged_all_to_all(
+            src, out, start, count, jnp.full((n,), me * x, jnp.int32),
+            jnp.full((n,), count[me], jnp.int32), axis_name=SP)
+
+    def dense(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+        j = jnp.arange(x, dtype=jnp.int32)
+        live = j[None, :] < count[:, None]  # [N(dest), X]
+        rows = jnp.where(live, start[:, None] + j[None, :], 0)
+        blocks = jnp.where(live.reshape(n, x, *[1] * (src.ndim - 1)), src[rows], 0)
+        return jax.lax.all_to_all(blocks.reshape(n * x, *src.shape[1:]), SP, 0, 0,
+                                  tiled=True)
+
+    return jax.lax.platform_dependent(src, start, count, cpu=dense, default=ragged)
 
 
 def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params):

@@ -1,11 +1,18 @@
 """The Conflux iteration latency model (§6.2, Eqs. 2-6, Appendix D).
 
-    T_iter = L * (T_gemm + T_attn) + overhead                    Eq. 2
+    T_iter = L * (T_gemm + T_attn + T_X) + overhead              Eq. 2 (+ T_X)
     T_gemm = f_gemm(max_r (n_p^r + n_d^r))                       Eq. 3
     T_attn = max(beta * T_P, alpha * T_D)  (both paths; else T_P + T_D)   Eq. 4
              (T_P + T_D always with ``serial_attention``: our step's order)
     T_D    = max_r f_D(sum_{i in D_r} c_i)                       Eq. 5
     T_P    = f_comm(max_r n_p^r) + f_P((1/N) * sum_i l_i * (c_i + (l_i + 1)/2))   Eq. 6
+    T_X    = f_X(max_d x_d)   KV tokens completing prefills move to decode rank d (ours)
+
+The paper's model has no T_X: it pipelines the transfer layer by layer behind the next
+layer's GEMMs (§7). Ours prices it, conservatively as if exposed (bytes moved / link
+bandwidth in the roofline), so a long prompt's completion step is not under-estimated; a
+fit without a transfer coefficient (every shipped CPU fit) has f_X = 0 and prices exactly
+as before.
 
 The fit from measured iterations is in :mod:`conflux_jax.latency.fit`; shipped
 coefficients in :mod:`conflux_jax.latency.coeffs`.
@@ -66,13 +73,15 @@ class BatchShape:
 
     ``n_p``/``n_d``: prefill/decode tokens per rank; ``w_d``: summed decode context
     per rank (each decode attends to its KV length + 1); ``a_p``: total causal prefill
-    attention work sum_i l_i*(c_i + (l_i+1)/2) over all chunks of the iteration.
+    attention work sum_i l_i*(c_i + (l_i+1)/2) over all chunks of the iteration; ``x_kv``:
+    the KV tokens (all heads) that completing prefills move to the busiest decode rank.
     """
 
     n_p: tuple[int, ...]
     n_d: tuple[int, ...]
     w_d: tuple[int, ...]
     a_p: float
+    x_kv: int = 0
 
     @property
     def num_ranks(self) -> int:
@@ -86,7 +95,18 @@ class BatchShape:
             w_d[d.rank] += d.position + 1
         a_p = sum(attention_work(p.length, p.start) for p in plan.prefill)
         return cls(tuple(plan.prefill_per_rank(num_ranks)),
-                   tuple(plan.decode_per_rank(num_ranks)), tuple(w_d), a_p)
+                   tuple(plan.decode_per_rank(num_ranks)), tuple(w_d), a_p,
+                   transfer_tokens(plan, num_ranks))
+
+
+def transfer_tokens(plan: IterationPlan, num_ranks: int) -> int:
+    """KV tokens the plan's completing prefills move to the busiest decode rank (a
+    completing request moves its whole prompt, ``start + length`` positions)."""
+    moved = [0] * num_ranks
+    for p in plan.prefill:
+        if p.completes and p.decode_rank is not None:
+            moved[p.decode_rank] += p.start + p.length
+    return max(moved, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +130,9 @@ class LatencyModel:
     # Prefill and decode attention run one after the other (T_P + T_D, as our step runs
     # them), not overlapped as Eq. 4 models the paper's SM-partitioned kernels.
     serial_attention: bool = False
+    # T_X per layer of the KV tokens moved to one decode rank; zero on one rank and in fits
+    # that do not measure it.
+    transfer: Affine = Affine()
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     # ---- evaluation ---------------------------------------------------------------
@@ -155,10 +178,16 @@ class LatencyModel:
         comm = self.comm(shard) if self.num_ranks > 1 else 0.0
         return comm + self.pre(a_p / self.num_ranks)
 
-    def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float) -> float:
+    def transfer_path(self, x_kv: int) -> float:
+        """T_X: moving ``x_kv`` KV tokens of completing prefills to their decode rank."""
+        return self.transfer(x_kv) if self.num_ranks > 1 else 0.0
+
+    def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float,
+                  x_kv: int = 0) -> float:
         """T_iter from the aggregate features (the scheduler's hot path)."""
         if max_load <= 0:
             return 0.0
+        t_x = self.transfer_path(x_kv) if x_kv > 0 else 0.0
         t_p = self.prefill_path(max_np, a_p, max_load)
         if t_p > 0.0 and t_d > 0.0 and not self.serial_attention:
             bp = self.beta * t_p
@@ -166,12 +195,12 @@ class LatencyModel:
             t_attn = bp if bp > ad else ad
         else:
             t_attn = t_p + t_d
-        return self.num_layers * (self.gemm_time(max_load) + t_attn) + self.overhead_s
+        return self.num_layers * (self.gemm_time(max_load) + t_attn + t_x) + self.overhead_s
 
     def estimate(self, shape: BatchShape) -> float:
         loads = [p + d for p, d in zip(shape.n_p, shape.n_d, strict=True)]
         return self.iteration(max(loads), max(shape.n_p), shape.a_p,
-                              self.decode_path(self.decode_work(shape.w_d)))
+                              self.decode_path(self.decode_work(shape.w_d)), shape.x_kv)
 
     # ---- persistence --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -182,7 +211,9 @@ class LatencyModel:
             "alpha": self.alpha, "beta": self.beta, "overhead_s": self.overhead_s,
             "token_buckets": list(self.token_buckets), "shared_cores": self.shared_cores,
             "gemm_per_bucket": list(self.gemm_per_bucket),
-            "serial_attention": self.serial_attention, "meta": self.meta,
+            "serial_attention": self.serial_attention,
+            "transfer": dataclasses.asdict(self.transfer),
+            "meta": self.meta,
         }
 
     @classmethod
@@ -195,6 +226,7 @@ class LatencyModel:
                    shared_cores=bool(d.get("shared_cores", False)),
                    gemm_per_bucket=tuple(float(x) for x in d.get("gemm_per_bucket", ())),
                    serial_attention=bool(d.get("serial_attention", False)),
+                   transfer=Affine(**d.get("transfer", {})),  # absent in fits before T_X
                    meta=dict(d.get("meta", {})))
 
     def save(self, path: str | Path) -> None:

@@ -13,6 +13,10 @@ drives the scheduler and the simulator either way. Assumptions (all from SIMULAT
 * Ulysses all-to-all: Q,K,V in + O out, (2 n_q + 2 n_kv) d * 2 bytes per token, a
   (N-1)/N share leaves the rank, at 370 GB/s effective, plus a 30 us floor per
   collective (two per layer). Requires N <= n_kv (no KV-head replication).
+* Prefill -> decode KV transfer: a completing request's KV (all heads) goes to its decode
+  rank, which already holds a 1/N head shard; the rest crosses links at the all-to-all's
+  370 GB/s with its 30 us floor, per layer (it is priced, not assumed hidden behind later
+  layers). Zero on one rank.
 * Base TP of degree tp divides weights, FLOPs and KV per GPU by tp and adds two ring
   all-reduces per layer (busbw 300 GB/s, 37.5 us floor each).
 * Attention phases: ``attention="serial"`` (default) runs prefill then decode attention,
@@ -108,11 +112,14 @@ def roofline_model(model: str, hardware: str, sp: int, tp: int = 1,
     pre = Affine(a=4 * m.num_q_heads * d / tp / (ETA_FA * hw.peak_flops))
     a2a_bytes = (2 * m.num_q_heads + 2 * m.num_kv_heads) * d * 2 / tp * (sp - 1) / sp
     comm = Affine(a=a2a_bytes / A2A_BW, b=2 * A2A_FLOOR_S) if sp > 1 else Affine()
+    x_bytes = m.kv_bytes_per_token_layer / tp * (sp - 1) / sp
+    transfer = Affine(a=x_bytes / A2A_BW, b=A2A_FLOOR_S) if sp > 1 else Affine()
     head = h * m.vocab * 2 / tp / (ETA_WEIGHTS * hw.hbm_bw)
     overlap = PAPER_OVERLAP if attention == "paper" else 1.0
     return LatencyModel(
         num_layers=m.num_layers, num_ranks=sp, gemm=gemm, dec=dec, pre=pre, comm=comm,
         alpha=overlap, beta=overlap, overhead_s=head, serial_attention=attention == "serial",
+        transfer=transfer,
         meta={"model": model, "hardware": hardware, "sp": sp, "tp": tp, "source": "roofline",
               "attention": attention})
 

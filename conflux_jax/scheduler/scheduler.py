@@ -452,7 +452,7 @@ class Scheduler:
             if length < asked:  # completion held back: take the token off the fullest rank
                 add = list(add)
                 add[max(range(self.n), key=add.__getitem__)] -= asked - length
-            disp.commit(add, st.prefilled)  # Alg. 1 line 13
+            disp.commit(add, st.prefilled, rank if completes else None)  # Alg. 1 line 13
             pieces.append(self._piece(st, tuple(add), completes, rank))
         return pieces, disp.estimate()
 
@@ -471,6 +471,7 @@ class Scheduler:
         tent = _Tentative(list(self._ctx), list(self._n_d))
         n_p = [0] * n
         a_p = 0.0
+        moved = [0] * n  # KV tokens completing prefills move to each decode rank
         max_pieces = self.cfg.max_prefill_pieces
         cands, n_overdue = self._candidates(now, preempted, None)
         for i, st in enumerate(cands):
@@ -491,13 +492,16 @@ class Scheduler:
             for r, c in enumerate(counts):
                 n_p[r] += c
             a_p += attention_work(length, st.prefilled)
+            if completes:
+                moved[rank] += st.prefilled + length
             budget -= length
             pieces.append(self._piece(st, counts, completes, rank))
         if isolated:
-            est = self.model.iteration(max(n_p), max(n_p), a_p, 0.0)
+            est = self.model.iteration(max(n_p), max(n_p), a_p, 0.0, max(moved))
         else:
             loads = [p + d for p, d in zip(n_p, self._n_d, strict=True)]
-            est = self.model.iteration(max(loads), max(n_p), a_p, self._decode_path())
+            est = self.model.iteration(max(loads), max(n_p), a_p, self._decode_path(),
+                                       max(moved))
         return pieces, est
 
     def _decode_path(self) -> float:

@@ -65,7 +65,8 @@ def level_for(loads: Sequence[int], amount: int) -> int:
 class Dispatcher:
     """Per-iteration waterfill state over N ranks (combined loads, prefill shards)."""
 
-    __slots__ = ("model", "tau", "q", "max_level", "loads", "n_p", "a_p", "t_d", "n")
+    __slots__ = ("model", "tau", "q", "max_level", "loads", "n_p", "a_p", "t_d", "n",
+                 "moved")
 
     def __init__(self, model: LatencyModel, tau: float, decode_tokens: Sequence[int],
                  t_d: float, quantum: int = 16, max_level: int = 8192) -> None:
@@ -78,23 +79,32 @@ class Dispatcher:
         self.n_p = [0] * self.n
         self.a_p = 0.0
         self.t_d = t_d
+        self.moved = [0] * self.n  # KV tokens completing prefills move to each decode rank
 
     # ---- latency of the current state plus an optional addition --------------------
-    def estimate(self, add: Sequence[int] | None = None, extra_work: float = 0.0) -> float:
+    def estimate(self, add: Sequence[int] | None = None, extra_work: float = 0.0,
+                 extra_moved: int = 0) -> float:
+        # A completing candidate's decode rank is not chosen yet: price its transfer as if
+        # it lands on the rank already receiving the most (an upper bound).
+        x_kv = max(self.moved) + extra_moved
         if add is None:
-            return self.model.iteration(max(self.loads), max(self.n_p), self.a_p, self.t_d)
+            return self.model.iteration(max(self.loads), max(self.n_p), self.a_p, self.t_d,
+                                        x_kv)
         g = max(x + a for x, a in zip(self.loads, add, strict=True))
         c = max(x + a for x, a in zip(self.n_p, add, strict=True))
-        return self.model.iteration(g, c, self.a_p + extra_work, self.t_d)
+        return self.model.iteration(g, c, self.a_p + extra_work, self.t_d, x_kv)
 
     def _fits_level(self, level: int) -> bool:
         """Budget mode: the full fill of ``level`` meets the SLO (candidate omitted)."""
         add = [level - x if x < level else 0 for x in self.loads]
         return self.estimate(add) <= self.tau
 
-    def _fits_chunk(self, length: int, c: int) -> tuple[bool, list[int]]:
+    def _fits_chunk(self, length: int, c: int, m: int) -> tuple[bool, list[int]]:
+        """Does a ``length``-token chunk fit; the chunk that completes (``length == m``)
+        also moves the request's ``c + m`` KV tokens to its decode rank."""
         add = waterfill_assign(self.loads, length)
-        return self.estimate(add, attention_work(length, c)) <= self.tau, add
+        moved = c + m if length == m else 0
+        return self.estimate(add, attention_work(length, c), moved) <= self.tau, add
 
     def _search_levels(self, k_lo: int, k_hi: int, fits) -> int:  # noqa: ANN001
         """Largest k in [k_lo, k_hi] with fits(k); k_lo is assumed feasible."""
@@ -138,14 +148,14 @@ class Dispatcher:
         k_hi = min(-(-level_for(self.loads, m_eff) // q), self.max_level // q)
         k = self._search_levels(
             k_lo, k_hi,
-            lambda k: self._fits_chunk(min(m_eff, capacity_at(self.loads, k * q)), c)[0])
+            lambda k: self._fits_chunk(min(m_eff, capacity_at(self.loads, k * q)), c, m)[0])
         lo = min(m_eff, capacity_at(self.loads, k * q))  # feasible (or 0)
         hi = min(m_eff, capacity_at(self.loads, min((k + 1) * q, self.max_level)))
-        if hi > lo and not self._fits_chunk(hi, c)[0]:
+        if hi > lo and not self._fits_chunk(hi, c, m)[0]:
             hi -= 1
             while lo < hi:  # refine at token granularity inside the next quantum
                 mid = (lo + hi + 1) // 2
-                if self._fits_chunk(mid, c)[0]:
+                if self._fits_chunk(mid, c, m)[0]:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -155,8 +165,9 @@ class Dispatcher:
             return 0, [0] * n
         return lo, waterfill_assign(self.loads, lo)
 
-    def commit(self, add: Sequence[int], c: int) -> None:
-        """Accumulate a dispatched chunk (assignment ``add``, prior context ``c``)."""
+    def commit(self, add: Sequence[int], c: int, decode_rank: int | None = None) -> None:
+        """Accumulate a dispatched chunk (assignment ``add``, prior context ``c``); a chunk
+        that completes its prefill moves ``c + length`` KV tokens to ``decode_rank``."""
         length = 0
         for r, a in enumerate(add):
             if a:
@@ -164,3 +175,5 @@ class Dispatcher:
                 self.n_p[r] += a
                 length += a
         self.a_p += attention_work(length, c)
+        if decode_rank is not None:
+            self.moved[decode_rank] += c + length

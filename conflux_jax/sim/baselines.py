@@ -56,7 +56,9 @@ class MuxLatency:
         s = self.s_sat * t_dec * (1 + self.eps) / (self.tbt_slo_s * (1.0 - self.headroom))
         return min(self.s_max, max(self.s_min, s))
 
-    def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float) -> float:
+    def iteration(self, max_load: int, max_np: int, a_p: float, t_d: float,
+                  x_kv: int = 0) -> float:
+        del x_kv  # one rank: no KV moves between ranks
         n_d = max_load - max_np
         t_dec = self.base.iteration(n_d, 0, 0.0, t_d) if n_d > 0 else 0.0
         t_pre = self.base.iteration(max_np, max_np, a_p, 0.0) if max_np > 0 else 0.0

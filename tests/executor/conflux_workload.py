@@ -64,7 +64,7 @@ def run_random_workload(ex: JaxExecutor, params, rng: np.random.Generator, num_r
                 if load[r.rank] < d_max:
                     load[r.rank] += 1
                     decode_slots.append(r)
-        pieces, completing = [], []
+        pieces, completing, moved = [], [], 0
         if phase != "decode":
             for r in list(prefilling):
                 room = [t_max - x for x in load]
@@ -74,14 +74,16 @@ def run_random_workload(ex: JaxExecutor, params, rng: np.random.Generator, num_r
                 length = int(rng.integers(1, min(remaining, sum(room)) + 1))
                 counts = _random_split(rng, length, room)
                 completes = r.prefilled + length == r.prompt_len
-                if completes and completing:
-                    continue  # one transfer per step keeps the page-group bound simple
+                groups = -(-r.prompt_len // (ex.kv.page_size * n))
+                if completes and moved + groups > ex.planner.transfer_groups:
+                    continue  # the step's transfer bound (several completions may fit)
                 bm.allocate_prefill(r.rid, r.prefilled + length)
                 rank = None
                 if completes:
                     rank = int(rng.integers(0, n))
                     bm.transition(r.rid, rank, r.prompt_len + 1, keep_prefill=True)
                     completing.append(r)
+                    moved += groups
                 start = r.prefilled
                 pieces.append(PrefillPiece(
                     r.rid, start, tuple(counts), completes, rank,

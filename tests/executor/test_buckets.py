@@ -8,8 +8,8 @@ from conflux_jax.executor.buckets import BucketConfig, ShapePlanner
 
 
 def _planner():
-    return ShapePlanner(BucketConfig(tokens=(8, 32, 128), decode=(4, 16), decode_pages=(2, 8)),
-                        max_pages_per_seq=16, transfer_groups=5)
+    return ShapePlanner(BucketConfig(tokens=(8, 32, 128), decode=(4, 16), decode_pages=(2, 8),
+                                     transfer=(1, 2)), max_pages_per_seq=16, transfer_groups=5)
 
 
 def test_smallest_covering_buckets():
@@ -17,7 +17,19 @@ def test_smallest_covering_buckets():
     s = pl.shape_for(prefill_max=0, decode_max=3, combined_max=3, decode_pages_max=2)
     assert (s.tokens, s.prefill, s.decode, s.decode_pages, s.transfer) == (8, 0, 4, 2, 0)
     s = pl.shape_for(prefill_max=20, decode_max=5, combined_max=25, decode_pages_max=9)
-    assert (s.tokens, s.prefill, s.decode, s.decode_pages, s.transfer) == (32, 32, 16, 16, 5)
+    assert (s.tokens, s.prefill, s.decode, s.decode_pages, s.transfer) == (32, 32, 16, 16, 0)
+    # the transfer follows the groups that move: bucketed, capped at one max-length request
+    assert pl.transfer_buckets() == (1, 2, 5)
+    moved = {g: pl.shape_for(20, 5, 25, 9, transfer_max=g).transfer for g in range(6)}
+    assert moved == {0: 0, 1: 1, 2: 2, 3: 5, 4: 5, 5: 5}
+
+
+def test_transfer_needs_prefill_and_fits_the_largest_request():
+    pl = _planner()
+    with pytest.raises(ValueError, match="no KV to transfer"):
+        pl.shape_for(0, 3, 3, 2, transfer_max=1)
+    with pytest.raises(ValueError, match="KV transfer"):
+        pl.shape_for(20, 0, 20, 1, transfer_max=6)
 
 
 def test_every_reachable_shape_is_compiled_at_warmup():
@@ -25,10 +37,11 @@ def test_every_reachable_shape_is_compiled_at_warmup():
     warm = set(pl.all_shapes())
     seen = set()
     # Brute force over every per-rank load the executor can face.
-    for n_p, n_d, pages in itertools.product(range(0, 129, 3), range(0, 17), range(1, 17)):
-        if n_p + n_d > 128 or n_p + n_d == 0:
+    for n_p, n_d, pages, x in itertools.product(range(0, 129, 3), range(0, 17), range(1, 17),
+                                                range(6)):
+        if n_p + n_d > 128 or n_p + n_d == 0 or (x and not n_p):
             continue
-        seen.add(pl.shape_for(n_p, n_d, n_p + n_d, pages))
+        seen.add(pl.shape_for(n_p, n_d, n_p + n_d, pages, x))
     assert seen <= warm
     assert len(warm) == len(seen)  # and warm-up compiles nothing unreachable
 

@@ -1,5 +1,6 @@
 """Latency model: evaluation rules, JSON round trip, least-squares fit and MAPE."""
 
+import dataclasses
 import random
 
 import pytest
@@ -147,3 +148,34 @@ def test_per_bucket_gemm_fit_and_repricing_for_other_buckets() -> None:
     assert other.gemm_time(20) == pytest.approx(BUCKETED.gemm(32), rel=1e-3)
     assert other.gemm_time(8000) == pytest.approx(BUCKETED.gemm(8192), rel=1e-2)
     assert LatencyModel.from_dict(fitted.to_dict()) == fitted
+
+
+def test_shipped_fits_load_and_price_no_transfer() -> None:
+    """The shipped CPU fits do not measure T_X: they load with a zero transfer term, so a
+    step that completes a prefill prices exactly as before."""
+    from conflux_jax.latency.coeffs import COEFFS_DIR
+
+    fits = sorted(COEFFS_DIR.glob("*.json"))
+    assert fits
+    for path in fits:
+        model = LatencyModel.load(path)
+        assert model.transfer == Affine()
+        n = model.num_ranks
+        plain = BatchShape((64,) * n, (2,) * n, (300,) * n, 64.0 * n * 65)
+        done = dataclasses.replace(plain, x_kv=4096)
+        assert model.estimate(done) == model.estimate(plain) > 0
+
+
+def test_plan_transfer_feature_is_the_busiest_decode_rank() -> None:
+    from conflux_jax.plan import IterationPlan, PrefillPiece
+
+    pieces = (PrefillPiece(0, 100, (5, 5, 5, 5), True, 1),
+              PrefillPiece(1, 0, (2, 2, 2, 2), True, 1),
+              PrefillPiece(2, 0, (1, 1, 1, 1), True, 3),
+              PrefillPiece(3, 0, (9, 9, 9, 9)))  # not completing: moves nothing
+    shape = BatchShape.from_plan(IterationPlan(pieces, (), 0.0), 4)
+    assert shape.x_kv == 120 + 8
+    model = dataclasses.replace(TRUE, transfer=Affine(1e-6, 1e-5))
+    assert model.estimate(shape) - TRUE.estimate(shape) == pytest.approx(
+        TRUE.num_layers * (1e-5 + 128e-6))
+    assert LatencyModel.from_dict(model.to_dict()) == model

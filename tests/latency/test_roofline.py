@@ -1,5 +1,7 @@
 """Roofline coefficients against SIMULATOR.md's sanity numbers (Qwen3-14B, one H100)."""
 
+import dataclasses
+
 import pytest
 
 from conflux_jax.latency import BatchShape
@@ -47,3 +49,22 @@ def test_tp_and_kv_capacity() -> None:
     assert 200_000 < kv_tokens_per_rank("qwen3-14b", "h100") < 300_000
     with pytest.raises(ValueError):
         roofline_model("qwen3-14b", "h100", sp=16)  # more SP ranks than KV heads
+
+
+def test_kv_transfer_is_bytes_over_link_bandwidth() -> None:
+    """T_X per layer = the KV bytes leaving other ranks / the link bandwidth (+ the
+    collective's floor); one rank moves nothing."""
+    from conflux_jax.latency.roofline import A2A_BW, A2A_FLOOR_S
+
+    m = MODELS["llama3.1-8b"]
+    sp4 = roofline_model("llama3.1-8b", "h200", sp=4)
+    tokens = 65536
+    moved = tokens * m.kv_bytes_per_token_layer * 3 / 4  # the decode rank holds 1/4
+    assert sp4.transfer_path(tokens) == pytest.approx(moved / A2A_BW + A2A_FLOOR_S)
+    plain = BatchShape((4096,) * 4, (0,) * 4, (0,) * 4, 4096.0 * 4096)
+    done = BatchShape(plain.n_p, plain.n_d, plain.w_d, plain.a_p, x_kv=tokens)
+    assert sp4.estimate(done) - sp4.estimate(plain) == pytest.approx(
+        m.num_layers * sp4.transfer_path(tokens))
+    sp1 = roofline_model("llama3.1-8b", "h200", sp=1)
+    one = BatchShape((4096,), (0,), (0,), 4096.0 * 4096)
+    assert sp1.estimate(dataclasses.replace(one, x_kv=tokens)) == sp1.estimate(one)
