@@ -80,12 +80,21 @@ def random_plan(rng: np.random.Generator, kind: str, num_ranks: int, space: Prof
                 r = int(rng.choice([i for i in range(n) if counts[i] < free[i]]))
                 counts[r] += 1
             tokens = ids(history + length)
+            # Half the chunks finish their prompt: sampled, and (N > 1) their KV moves to a
+            # decode rank in the same step, a cost the fit must see.
+            completes = bool(rng.random() < 0.5)
+            rank = int(rng.integers(0, n)) if completes else None
             views: tuple[tuple[int, ...], ...] = ()
+            decode_view: tuple[int, ...] = ()
             if blocks is not None:
                 blocks.allocate_prefill(rid, history + length)
                 views = blocks.prefill_pages(rid)
+                if rank is not None:
+                    blocks.transition(rid, rank, history + length, keep_prefill=True)
+                    decode_view = blocks.decode_pages(rid)
             pieces.append(PrefillPiece(rid, history, tuple(int(c) for c in counts),
-                                       token_ids=tuple(tokens[history:]), pages=views))
+                                       completes, rank, token_ids=tuple(tokens[history:]),
+                                       pages=views, decode_pages=decode_view))
             load = [a + int(c) for a, c in zip(load, counts, strict=True)]
             rid += 1
     return IterationPlan(tuple(pieces), tuple(slots), 0.0)

@@ -28,14 +28,16 @@ def mape(model: LatencyModel, samples: Sequence[ProfileSample]) -> float:
 
 
 # Column order of the fitted parameter vector.
-_PARAMS = ("g_a", "g_b", "d_a", "d_b", "p_a", "p_b", "c_a", "c_b")
+_PARAMS = ("g_a", "g_b", "d_a", "d_b", "p_a", "p_b", "c_a", "c_b", "x_a", "x_b")
+_ATTN = 6  # d_a .. c_b
+_XFER = 2  # x_a, x_b: the KV moved to a decode rank (T_X), additive to the layer
 
 
 def _features(samples: Sequence[ProfileSample], shape_of: LatencyModel) -> np.ndarray:
-    """Per sample: [G, has_G, W, has_D, A/N, has_P, C (N>1), has_comm], with G, C and W
-    as ``shape_of`` (its rank count, buckets and core sharing) sees them."""
+    """Per sample: [G, has_G, W, has_D, A/N, has_P, C (N>1), has_comm, X (N>1), has_X],
+    with G, C and W as ``shape_of`` (its rank count, buckets and core sharing) sees them."""
     num_ranks = shape_of.num_ranks
-    f = np.zeros((len(samples), 8))
+    f = np.zeros((len(samples), 10))
     for k, s in enumerate(samples):
         sh = s.shape
         load = max(p + d for p, d in zip(sh.n_p, sh.n_d, strict=True))
@@ -44,8 +46,9 @@ def _features(samples: Sequence[ProfileSample], shape_of: LatencyModel) -> np.nd
         if c and shape_of.token_buckets:
             c = shape_of.padded(load)
         w = shape_of.decode_work(sh.w_d)
+        x = sh.x_kv if num_ranks > 1 else 0
         f[k] = (g, g > 0, w, w > 0, sh.a_p / num_ranks, c > 0,
-                c if num_ranks > 1 else 0, c > 0 and num_ranks > 1)
+                c if num_ranks > 1 else 0, c > 0 and num_ranks > 1, x, x > 0)
     return f
 
 
@@ -59,8 +62,8 @@ def _gemm_columns(f: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
 
 def _solve(f: np.ndarray, g: np.ndarray, y: np.ndarray, L: int, alpha: float, beta: float,
            dom_p: np.ndarray) -> np.ndarray:
-    """Linear least squares in the GEMM columns ``g`` and the 6 attention coefficients,
-    given which attention path dominates each mixed sample.
+    """Linear least squares in the GEMM columns ``g``, the 6 attention coefficients and the
+    2 transfer ones, given which attention path dominates each mixed sample.
 
     Rows are scaled by 1/y so the fit minimises relative error (the MAPE target).
     """
@@ -68,14 +71,15 @@ def _solve(f: np.ndarray, g: np.ndarray, y: np.ndarray, L: int, alpha: float, be
     wd = np.where(mixed, np.where(dom_p, 0.0, alpha), 1.0)
     wp = np.where(mixed, np.where(dom_p, beta, 0.0), 1.0)
     x = L * np.column_stack([g, wd * f[:, 2], wd * f[:, 3],
-                             wp * f[:, 4], wp * f[:, 5], wp * f[:, 6], wp * f[:, 7]])
+                             wp * f[:, 4], wp * f[:, 5], wp * f[:, 6], wp * f[:, 7],
+                             f[:, 8], f[:, 9]])
     x = x / y[:, None]
     theta = np.linalg.lstsq(x, np.ones_like(y), rcond=None)[0]
     return np.clip(theta, 0.0, None)
 
 
 def _paths(f: np.ndarray, th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    a = th[-6:]  # attention coefficients: d_a, d_b, p_a, p_b, c_a, c_b
+    a = th[-_ATTN - _XFER:-_XFER]  # attention coefficients: d_a, d_b, p_a, p_b, c_a, c_b
     t_d = a[0] * f[:, 2] + a[1] * f[:, 3]
     t_p = (a[2] * f[:, 4] + a[3] * f[:, 5] + a[4] * f[:, 6] + a[5] * f[:, 7]) * (f[:, 5] > 0)
     return t_p, t_d
@@ -86,7 +90,8 @@ def _predict(f: np.ndarray, g: np.ndarray, th: np.ndarray, L: int, alpha: float,
     t_p, t_d = _paths(f, th)
     mixed = (t_p > 0) & (t_d > 0)
     attn = np.where(mixed, np.maximum(beta * t_p, alpha * t_d), t_p + t_d)
-    return L * (g @ th[:-6] + attn)
+    t_x = th[-2] * f[:, 8] + th[-1] * f[:, 9]
+    return L * (g @ th[:-_ATTN - _XFER] + attn + t_x)
 
 
 def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
@@ -131,13 +136,14 @@ def fit(samples: Sequence[ProfileSample], num_layers: int, num_ranks: int,
                 best = (err, th, float(alpha), float(beta))
     assert best is not None
     _, th, alpha, beta = best
-    a = [float(x) for x in th[-6:]]
+    a = [float(x) for x in th[-_ATTN - _XFER:]]
     gemm, per_bucket = Affine(float(th[0]), float(th[1])), ()
     if shape_of.token_buckets:
-        gemm, per_bucket = _bucket_table(shape_of.token_buckets, th[:-6], g.any(axis=0))
+        gemm, per_bucket = _bucket_table(shape_of.token_buckets, th[:-_ATTN - _XFER],
+                                         g.any(axis=0))
     return LatencyModel(
         num_layers=L, num_ranks=num_ranks, gemm=gemm, dec=Affine(a[0], a[1]),
-        pre=Affine(a[2], a[3]), comm=Affine(a[4], a[5]),
+        pre=Affine(a[2], a[3]), comm=Affine(a[4], a[5]), transfer=Affine(a[6], a[7]),
         alpha=alpha, beta=beta, overhead_s=0.0, token_buckets=shape_of.token_buckets,
         shared_cores=shared_cores, gemm_per_bucket=per_bucket,
         meta={**(meta or {}), "source": "profile", "num_samples": len(samples)})

@@ -81,6 +81,32 @@ def test_fit_recovers_model_from_iteration_samples() -> None:
     assert fitted.meta["model"] == "toy" and fitted.meta["source"] == "profile"
 
 
+def test_fit_recovers_the_kv_transfer_term() -> None:
+    """Completing prefills move their prompt's KV to a decode rank (T_X): the fit learns
+    its slope and intercept from samples that carry ``x_kv``."""
+    true = dataclasses.replace(TRUE, transfer=Affine(4e-8, 3e-5))
+    rng = random.Random(2)
+
+    def with_transfer(count: int) -> list[ProfileSample]:
+        out = []
+        for smp in _samples(rng, true, count):
+            moved = rng.choice([0, rng.randint(100, 20_000)]) if smp.shape.a_p else 0
+            shape = dataclasses.replace(smp.shape, x_kv=moved)
+            out.append(ProfileSample(shape, true.estimate(shape)))
+        return out
+
+    train, held_out = with_transfer(200), with_transfer(200)
+    fitted = fit(train, num_layers=4, num_ranks=4)
+    assert mape(fitted, held_out) < 1.0
+    assert fitted.transfer.a == pytest.approx(4e-8, rel=0.05)
+    assert fitted.transfer.b == pytest.approx(3e-5, rel=0.2)
+    one_rank = fit([ProfileSample(dataclasses.replace(s.shape, n_p=(sum(s.shape.n_p),),
+                                                      n_d=(sum(s.shape.n_d),),
+                                                      w_d=(max(s.shape.w_d),)), s.seconds)
+                    for s in train], num_layers=4, num_ranks=1)
+    assert one_rank.transfer == Affine()  # nothing moves between ranks on one rank
+
+
 def test_fit_with_noise_stays_accurate() -> None:
     rng = random.Random(1)
     noisy = [ProfileSample(s.shape, s.seconds * (1 + rng.gauss(0, 0.03)))

@@ -47,6 +47,8 @@ def test_the_estimate_is_fitted_to_profiles_of_the_truth() -> None:
     assert exact.model != truth and exact.report["source"] == "fitted"
     # The paper's affine form cannot represent the roofline's floors and serial attention.
     assert 0.5 < exact.report["test_mape_vs_truth_pct"] < 15
+    # Completing chunks in the profile move KV to a decode rank: the fit prices T_X too.
+    assert truth.transfer.a > 0 and exact.model.transfer.a > 0
     # The engine's profiler keeps the fastest of 5 repeats: under jitter the fit is
     # optimistic by about the expected minimum of 5 draws (-1.16 sigma).
     noisy = fitted_estimate(truth, space, noise=0.1)
