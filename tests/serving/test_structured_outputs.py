@@ -241,3 +241,18 @@ def test_penalties_change_greedy_output(server: Any) -> None:
     rep = client.completions.create(**kw, extra_body={"repetition_penalty": 2.0}).choices[0]
     freq = client.completions.create(**kw, frequency_penalty=2.0).choices[0]
     assert rep.text != free or freq.text != free
+
+
+def test_offline_llm_takes_vllms_structured_output_params(tiny_checkpoint: Any) -> None:
+    from conflux_jax import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(str(tiny_checkpoint), max_model_len=128)
+    schema = to_strict_json_schema(Point)
+    outs = llm.generate(["a", "b"], [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=5, n=3,
+                       guided_decoding=GuidedDecodingParams(choice=["yes", "no"])),
+        SamplingParams(max_tokens=60, temperature=1.0, seed=6,
+                       structured_outputs=StructuredOutputsParams(json=schema))])
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert all(c.text in {"yes", "no"} and c.finish_reason == "stop" for c in outs[0].outputs)
+    jsonschema.validate(json.loads(outs[1].outputs[0].text), schema)
