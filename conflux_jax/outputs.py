@@ -90,6 +90,14 @@ class OutputTracker:
             self._text += self._decoder.flush()  # a stop string already cut the text
         return self._take_delta()
 
+    def stop(self) -> str:
+        """Finish with "stop" after the last token (its grammar is complete); returns the
+        rest of the text."""
+        if not self.finished:
+            self.finish_reason = "stop"
+            self._text += self._decoder.flush()
+        return self._take_delta()
+
     def abort(self, reason: str = "abort") -> str:
         if not self.finished:
             self.finish_reason = reason

@@ -33,6 +33,9 @@ Plan semantics
     decode lives on rank 0);
   - ``"isolated_prefill"`` / ``"isolated_decode"``: phase-isolated SP iterations
     (LoongServe-like): a plan holds only prefill pieces or only decode slots.
+* ``token_masks`` holds the allowed-token bitmask of each grammar-constrained request
+  that samples this iteration (computed on the host from the request's committed
+  tokens); ``histories`` the prompt and output token ids of each penalized one.
 * In simulation requests have no token ids: ``token_ids`` is empty and ``token_id`` 0, and
   the simulated executor reads only the lengths.
 """
@@ -40,8 +43,10 @@ Plan semantics
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
 
 PlanMode = Literal["conflux", "tp_chunked", "isolated_prefill", "isolated_decode"]
 
@@ -51,13 +56,23 @@ class SamplingSpec:
     """How the device samples a request's next token (the sampler's per-row inputs).
 
     ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` disable those
-    filters; ``seed`` keys the request's random stream (with the output index).
+    filters; ``seed`` keys the request's random stream (with the output index). The
+    penalties are vLLM's (neutral: 0, 0, 1); a penalized request's tokens travel in
+    ``IterationPlan.histories``.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 GREEDY = SamplingSpec()
@@ -110,6 +125,11 @@ class IterationPlan:
     released: tuple[int, ...] = ()
     preempted: tuple[int, ...] = ()  # subset of ``released``: these will be recomputed
     fits_slo: bool = True  # the scheduler's claim: estimated latency <= TBT SLO
+    # request id -> i32[ceil(V/32)] packed allowed-token bitmask (grammar-constrained rows)
+    token_masks: Mapping[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # request id -> (prompt ids i32[Lp], output ids i32[Lo]) of penalized requests
+    histories: Mapping[int, tuple[Sequence[int], Sequence[int]]] = \
+        dataclasses.field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

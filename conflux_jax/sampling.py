@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +14,61 @@ MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, enforced by a token mask (vLLM's names).
+
+    Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_object``
+    (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (Lark,
+    or llama.cpp's GBNF) is set. ``disable_any_whitespace`` is accepted for vLLM's sake;
+    JSON is always generated compact (no free whitespace), which keeps small models
+    from spending their token budget on blanks. ``strict`` (ours): a schema keyword the
+    grammar engine does not implement is an error; without it, that keyword is ignored.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, "
+                             f"regex, choice, grammar (got {given or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            object.__setattr__(self, "json", parsed)
+        if self.json is not None and not isinstance(self.json, dict | bool):
+            raise ValueError("a JSON schema must be an object")
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling options, with vLLM's names and defaults.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``seed`` makes sampling reproducible per request, independent of batching.
+    The penalties follow vLLM: ``presence_penalty`` / ``frequency_penalty`` subtract from
+    the logits of tokens already in the output (once / per occurrence);
+    ``repetition_penalty`` divides positive and multiplies negative logits of tokens in
+    the prompt or the output. ``structured_outputs`` (or the older ``guided_decoding``)
+    constrains the output with a token mask. ``n`` independent outputs share the prompt.
     """
 
     max_tokens: int | None = 16
@@ -29,6 +81,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
     include_stop_str_in_output: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -41,6 +99,19 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 (disabled) or positive, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+                             f"{self.repetition_penalty}")
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding, not both")
+            object.__setattr__(self, "structured_outputs", self.guided_decoding)
+            object.__setattr__(self, "guided_decoding", None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
@@ -53,6 +124,51 @@ class SamplingParams:
         return tuple(s for s in (self.stop or ()) if s)
 
 
+def mask_words(vocab: int) -> int:
+    """Words of a packed allowed-token bitmask: bit ``v % 32`` of word ``v // 32``."""
+    return -(-vocab // 32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LogitAdjustments:
+    """Per-row logit processing before sampling: the grammar mask, then the penalties.
+
+    A free row has an all-ones bitmask and neutral penalties (0, 0, 1).
+    """
+
+    bitmask: jax.Array  # i32[S, W] allowed tokens, packed (see ``mask_words``)
+    history: jax.Array  # i32[S, H] prompt then output token ids; padding = V (dropped)
+    num_prompt: jax.Array  # i32[S] leading entries of ``history`` that are prompt tokens
+    presence: jax.Array  # f32[S]
+    frequency: jax.Array  # f32[S]
+    repetition: jax.Array  # f32[S]
+
+    def apply(self, logits: jax.Array) -> jax.Array:  # f32[S, V] -> f32[S, V]
+        vocab = logits.shape[-1]
+        bits = (self.bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].astype(bool)
+        logits = jnp.where(allowed, logits, -jnp.inf)
+        penalized = jnp.any((self.presence != 0) | (self.frequency != 0)
+                            | (self.repetition != 1))
+        # The scatter over the histories runs only when some row has a penalty.
+        return jax.lax.cond(penalized, self._penalize, lambda lg: lg, logits)
+
+    def _penalize(self, logits: jax.Array) -> jax.Array:
+        """vLLM's order: repetition (prompt + output), then frequency, then presence."""
+        s, vocab = logits.shape
+        h = self.history.shape[1]
+        is_output = jnp.arange(h)[None, :] >= self.num_prompt[:, None]  # bool[S, H]
+        rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, h))
+        seen = jnp.zeros((s, vocab), bool).at[rows, self.history].set(True, mode="drop")
+        counts = jnp.zeros((s, vocab), jnp.float32).at[rows, self.history].add(
+            is_output.astype(jnp.float32), mode="drop")
+        rep = self.repetition[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - self.frequency[:, None] * counts
+        return logits - self.presence[:, None] * (counts > 0)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     temperature: jax.Array,  # f32[S]; 0 = greedy
@@ -61,13 +177,19 @@ def sample(
     seeds: jax.Array,  # u32[S] per-request seed
     steps: jax.Array,  # i32[S] index of the token being sampled (fresh key per token)
     num_top_logprobs: int = 0,
+    adjust: LogitAdjustments | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens i32[S], logprobs f32[S], top_ids i32[S, n], top_logprobs f32[S, n]).
 
-    Logprobs are those of the unfiltered distribution (as vLLM reports them). The sort
-    needed by top-k/top-p runs only when some slot uses them.
+    Logprobs are those of the model's unprocessed distribution (vLLM's default,
+    ``raw_logprobs``); the token is drawn (or, greedy, argmax'd) from the logits after
+    ``adjust`` (mask, penalties). The sort needed by top-k/top-p runs only when some slot
+    uses them.
     """
-    log_z = jax.nn.logsumexp(logits, axis=-1)  # f32[S]
+    raw = logits
+    if adjust is not None:
+        logits = adjust.apply(logits)
+    log_z = jax.nn.logsumexp(raw, axis=-1)  # f32[S]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def filtered(lg: jax.Array) -> jax.Array:
@@ -96,9 +218,9 @@ def sample(
     # An all-greedy batch (the common serving case) skips the per-row random draw over
     # the whole vocabulary.
     tokens = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
-    chosen_lp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z
+    chosen_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_z
     if num_top_logprobs:
-        top_logits, top_ids = jax.lax.top_k(logits, num_top_logprobs)
+        top_logits, top_ids = jax.lax.top_k(raw, num_top_logprobs)
         top_lp = top_logits - log_z[:, None]
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)

@@ -125,4 +125,4 @@ def _sampling(state: ServerState, body: GenerationRequest) -> SamplingParams:
     try:
         return to_sampling_params(body)
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None

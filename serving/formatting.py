@@ -109,18 +109,23 @@ class ResponseFormat:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, text: str, token_ids: list[int], entries: list[dict[int, float]],
-             finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
-        """The non-streaming body; ``entries`` are the logprobs of ``token_ids``."""
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        """The non-streaming body of ``choices`` (from :meth:`choice`)."""
+        return {**self._head(self.body_object), "choices": choices, "usage": usage}
+
+    def choice(self, index: int, text: str, token_ids: list[int],
+               entries: list[dict[int, float]], finish_reason: str | None) -> dict[str, Any]:
+        """One choice of the non-streaming body; ``entries`` are the logprobs of
+        ``token_ids``."""
         raise NotImplementedError
 
-    def opening(self) -> bytes | None:
-        """The event sent before any output, if this endpoint has one."""
+    def opening(self, index: int = 0) -> bytes | None:
+        """The event sent before any output of choice ``index``, if this endpoint has one."""
         return None
 
-    def chunk(self, out: StepOutput, finish_reason: str | None) -> bytes:
+    def chunk(self, out: StepOutput, finish_reason: str | None, index: int = 0) -> bytes:
         return sse({**self._head(self.chunk_object), "choices": [{
-            "index": 0, **self._delta(out), "finish_reason": finish_reason}]})
+            "index": index, **self._delta(out, index), "finish_reason": finish_reason}]})
 
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
         return sse({**self._head(self.chunk_object), "choices": [], "usage": usage})
@@ -134,7 +139,7 @@ class ResponseFormat:
         """The event that ends a stream whose request the engine failed."""
         return sse(error_body(500, ENGINE_FAILED))
 
-    def _delta(self, out: StepOutput) -> dict[str, Any]:
+    def _delta(self, out: StepOutput, index: int) -> dict[str, Any]:
         """A chunk's choice fields for one engine output (all but index, finish_reason)."""
         raise NotImplementedError
 
@@ -147,24 +152,24 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText) -> None:
         super().__init__(model, n_logprobs, token_text)
-        self._offset = 0  # text offset of the next chunk (legacy logprobs' text_offset)
+        # Per choice: text offset of its next chunk (legacy logprobs' text_offset).
+        self._offset: dict[int, int] = {}
 
-    def body(self, text: str, token_ids: list[int], entries: list[dict[int, float]],
-             finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+    def choice(self, index: int, text: str, token_ids: list[int],
+               entries: list[dict[int, float]], finish_reason: str | None) -> dict[str, Any]:
         n = self.n_logprobs
         lp = None if n is None else completion_logprobs(token_ids, entries, n,
                                                         self.token_text, 0)
-        return {**self._head(self.body_object),
-                "choices": [{"index": 0, "text": text, "logprobs": lp,
-                             "finish_reason": finish_reason, "stop_reason": None}],
-                "usage": usage}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                "stop_reason": None}
 
-    def _delta(self, out: StepOutput) -> dict[str, Any]:
+    def _delta(self, out: StepOutput, index: int) -> dict[str, Any]:
         lp = None
+        offset = self._offset.get(index, 0)
         if self.n_logprobs is not None and out.logprobs:
             lp = completion_logprobs(out.new_token_ids, out.logprobs, self.n_logprobs,
-                                     self.token_text, self._offset)
-        self._offset += len(out.text_delta)
+                                     self.token_text, offset)
+        self._offset[index] = offset + len(out.text_delta)
         return {"text": out.text_delta, "logprobs": lp}
 
 
@@ -181,19 +186,16 @@ class ChatFormat(ResponseFormat):
             return None
         return {"content": chat_logprobs(token_ids, entries, self.n_logprobs, self.token_text)}
 
-    def body(self, text: str, token_ids: list[int], entries: list[dict[int, float]],
-             finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._head(self.body_object),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": self._logprobs(token_ids, entries),
-                             "finish_reason": finish_reason}],
-                "usage": usage}
+    def choice(self, index: int, text: str, token_ids: list[int],
+               entries: list[dict[int, float]], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(token_ids, entries), "finish_reason": finish_reason}
 
-    def _delta(self, out: StepOutput) -> dict[str, Any]:
+    def _delta(self, out: StepOutput, index: int) -> dict[str, Any]:
         lp = self._logprobs(out.new_token_ids, out.logprobs) if out.logprobs else None
         return {"delta": {"content": out.text_delta}, "logprobs": lp}
 
-    def opening(self) -> bytes:
+    def opening(self, index: int = 0) -> bytes:
         return sse({**self._head(self.chunk_object), "choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]})

@@ -14,8 +14,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutputsParams
 
+MAX_N = 16  # choices per request (each one a sequence of its own in the engine)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 # A seed is folded into 32 bits by the engine; bounding it keeps the JSON schema finite.
@@ -52,6 +53,55 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class RequestFieldError(ValueError):
+    """A request field the server refuses (a 400 that names ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``. ``strict`` (OpenAI's): every schema keyword is
+    enforced or the request is refused; without it, keywords the grammar engine does not
+    implement are ignored. The mask enforces the schema either way."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat (OpenAI names plus vLLM's extensions)."""
 
@@ -68,7 +118,18 @@ class _SamplingFields(BaseModel):
     # Booleans are strict, as OpenAI's are: "yes" or 1 is a 400, not true.
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, allow_inf_nan=False)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* names. At most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -96,12 +157,41 @@ class _SamplingFields(BaseModel):
                              "surrogate)")
         return data
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported (one choice per request)")
-        return v
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, or None.
+
+        Raises :class:`RequestFieldError` when it asks for more than one or one is invalid.
+        """
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            spec = rf.json_schema
+            assert spec is not None
+            found.append(("response_format", {"json": spec.schema_ or {},
+                                              "strict": spec.strict is not False}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given = {k: v for k, v in (("json", so.json_), ("regex", so.regex),
+                                       ("choice", so.choice), ("grammar", so.grammar),
+                                       ("json_object", so.json_object)) if v is not None}
+            found.append(("structured_outputs", given))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if (value := getattr(self, name)) is not None:
+                found.append((name, {key: value}))
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(n for n, _ in found)
+            raise RequestFieldError(f"give at most one output constraint (got {names})",
+                                    found[1][0])
+        name, kwargs = found[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except ValueError as exc:
+            raise RequestFieldError(f"{name}: {exc}", name) from None
 
     # Used when the client sends no max_tokens: None = no cap (chat); completions say 16.
     default_max_tokens: ClassVar[int | None] = None
@@ -208,6 +298,7 @@ def to_sampling_params(req: GenerationRequest) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``req``. Reads the request, never writes it: the
     parsed body stays what the client sent. ``SamplingParams`` may raise ValueError."""
     max_tokens = req.effective_max_tokens
+    structured = req.structured()
     return SamplingParams(
         max_tokens=req.default_max_tokens if max_tokens is None else max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -215,7 +306,11 @@ def to_sampling_params(req: GenerationRequest) -> SamplingParams:
         top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output, n=req.n,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        structured_outputs=structured)
 
 
 # ---------------------------------------------------------------------------- responses

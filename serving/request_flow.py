@@ -10,6 +10,7 @@ records its metrics exactly once when it ends.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,10 +31,64 @@ async def serve(state: ServerState, request: Request, body: GenerationRequest,
                 prompt_ids: list[int], sampling: SamplingParams,
                 form: fmt.ResponseFormat) -> Response:
     """Admit the request, then answer it as an SSE stream or one JSON body."""
-    gen = await Generation.start(state, prompt_ids, sampling, body)
+    gens = await _start_choices(state, prompt_ids, sampling, body)
     if body.stream:
-        return _SSEResponse(gen, _events(gen, form, body.include_usage_in_stream))
-    return JSONResponse(await _collect(gen, request, form))
+        return _SSEResponse(gens, _events(gens, form, body.include_usage_in_stream))
+    return JSONResponse(await _collect(gens, request, form))
+
+
+async def _start_choices(state: ServerState, prompt_ids: list[int], sampling: SamplingParams,
+                         body: GenerationRequest) -> list[Generation]:
+    """One engine request per choice (``n``), all sharing the prompt. With a seed, choice
+    i samples with ``seed + i`` (as vLLM does), so each is reproducible and they differ."""
+    gens: list[Generation] = []
+    try:
+        for i in range(sampling.n):
+            seed = None if sampling.seed is None else sampling.seed + i
+            child = dataclasses.replace(sampling, n=1, seed=seed)
+            gens.append(await Generation.start(state, prompt_ids, child, body))
+    except BaseException:
+        for g in gens:
+            g.abort()
+        raise
+    return gens
+
+
+def _usage(gens: list[Generation]) -> dict[str, int]:
+    return fmt.usage(len(gens[0].prompt_ids), sum(len(g.token_ids) for g in gens))
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Every choice's outputs as they come, tagged with the choice index."""
+    if len(gens) == 1:
+        async for out in gens[0].outputs():
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for out in gen.outputs():
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class Generation:
@@ -78,7 +133,7 @@ class Generation:
         except (EngineError, ValueError) as exc:
             state.inflight -= 1
             state.metrics.record_rejected(400)
-            raise APIError(400, str(exc), param="prompt") from None
+            raise APIError(400, str(exc), param=getattr(exc, "param", "prompt")) from None
         except EngineLoopClosed as exc:
             state.inflight -= 1
             state.metrics.record_rejected(503)
@@ -137,15 +192,13 @@ class Generation:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def usage(self) -> dict[str, int]:
-        return fmt.usage(len(self.prompt_ids), len(self.token_ids))
-
 
 # ------------------------------------------------------------------------ non-streaming
-async def _collect(gen: Generation, request: Request,
+async def _collect(gens: list[Generation], request: Request,
                    form: fmt.ResponseFormat) -> dict[str, Any]:
-    """Run a non-streaming request to the end, aborting it if the client disconnects."""
-    task = asyncio.ensure_future(gen.run_to_end())
+    """Run a non-streaming request's choices to the end, aborting them if the client
+    disconnects."""
+    task = asyncio.ensure_future(asyncio.gather(*(g.run_to_end() for g in gens)))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -154,50 +207,56 @@ async def _collect(gen: Generation, request: Request,
                 break
             if await request.is_disconnected():
                 task.cancel()
-                gen.abort()
+                for g in gens:
+                    g.abort()
                 raise APIError(499, "client disconnected")
     finally:
         if not task.done():
             task.cancel()
-            gen.abort()
-    if gen.finish_reason == "error":
+            for g in gens:
+                g.abort()
+    if any(g.finish_reason == "error" for g in gens):
         raise APIError(500, ENGINE_FAILED)
-    return form.body(gen.text, gen.token_ids, gen.logprobs, gen.finish_reason, gen.usage())
+    return form.body([form.choice(i, g.text, g.token_ids, g.logprobs, g.finish_reason)
+                      for i, g in enumerate(gens)], _usage(gens))
 
 
 # ---------------------------------------------------------------------------- streaming
 class _SSEResponse(StreamingResponse):
-    """SSE stream that always ends its request: a client gone before the first chunk never
-    runs the chunk generator (so its ``finally`` never runs); this ``finally`` does."""
+    """SSE stream that always ends its requests: a client gone before the first chunk
+    never runs the chunk generator (so its ``finally`` never runs); this ``finally`` does."""
 
-    def __init__(self, gen: Generation, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes]) -> None:
         super().__init__(chunks, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._gen = gen
+        self._gens = gens
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._gen.abort()  # no-op for a request that finished
+            for g in self._gens:
+                g.abort()  # no-op for a request that finished
 
 
-async def _events(gen: Generation, form: fmt.ResponseFormat,
+async def _events(gens: list[Generation], form: fmt.ResponseFormat,
                   include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE events: the opening one, one per engine output, the usage chunk when asked for,
-    ``[DONE]``; an engine failure ends the stream with an error event. Aborts the request
-    if the client goes away before it finishes."""
+    """SSE events: the opening ones, one per engine output (tagged with its choice), the
+    usage chunk when asked for, ``[DONE]``; an engine failure ends the stream with an
+    error event. Aborts the requests if the client goes away before they finish."""
     try:
-        opening = form.opening()
-        if opening is not None:
-            yield opening
-        async for out in gen.outputs():
+        for i in range(len(gens)):
+            opening = form.opening(i)
+            if opening is not None:
+                yield opening
+        async for i, out in _merged(gens):
             if out.finish_reason == "error":
                 yield form.engine_failed()
                 break
-            yield form.chunk(out, gen.finish_reason if out.finished else None)
+            yield form.chunk(out, gens[i].finish_reason if out.finished else None, i)
         if include_usage:
-            yield form.usage_chunk(gen.usage())
+            yield form.usage_chunk(_usage(gens))
         yield form.done()
     finally:
-        gen.abort() if gen.finish_reason is None else gen.close()
+        for g in gens:
+            g.abort() if g.finish_reason is None else g.close()

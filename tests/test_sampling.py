@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conflux_jax.sampling import SamplingParams, sample
+from conflux_jax.sampling import LogitAdjustments, SamplingParams, mask_words, sample
 
 
 def _allowed(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
@@ -79,7 +79,82 @@ def test_same_seed_and_step_reproduce_and_differ_across_seeds():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"logprobs": 99}, "logprobs")])
+    ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"logprobs": 99}, "logprobs"),
+    ({"n": 0}, "n must"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty")])
 def test_sampling_params_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------- mask and penalties
+def np_penalize(logits: np.ndarray, prompt: list[int], output: list[int], presence: float,
+                frequency: float, repetition: float) -> np.ndarray:
+    """vLLM's penalties, written out: repetition over prompt + output tokens, then
+    frequency per output occurrence, then presence once per output token."""
+    out = logits.astype(np.float64).copy()
+    seen = sorted(set(prompt) | set(output))
+    out[seen] = np.where(out[seen] > 0, out[seen] / repetition, out[seen] * repetition)
+    counts = np.bincount(np.asarray(output, int), minlength=len(out)) if output else \
+        np.zeros(len(out))
+    return out - frequency * counts - presence * (counts > 0)
+
+
+def _adjust(bitmask, histories, penalties, vocab, h=32):
+    s = len(histories)
+    hist = np.full((s, h), vocab, np.int32)
+    num_prompt = np.zeros(s, np.int32)
+    for i, (prompt, output) in enumerate(histories):
+        toks = prompt + output
+        hist[i, :len(toks)] = toks
+        num_prompt[i] = len(prompt)
+    p = np.asarray(penalties, np.float32)
+    return LogitAdjustments(jnp.asarray(bitmask), jnp.asarray(hist), jnp.asarray(num_prompt),
+                            jnp.asarray(p[:, 0]), jnp.asarray(p[:, 1]), jnp.asarray(p[:, 2]))
+
+
+def test_penalties_match_the_numpy_oracle_of_vllms_semantics():
+    rng = np.random.default_rng(3)
+    vocab = 70
+    logits = (rng.standard_normal((4, vocab)) * 3).astype(np.float32)
+    histories = [([1, 2, 3, 3], [4, 4, 4, 9]), ([5], [5, 6, 6, 7, 8, 8, 8]),
+                 ([10, 11], []), ([0, 69], [69, 69, 1])]
+    penalties = [(0.5, 0.3, 1.3), (-0.4, 1.2, 0.7), (2.0, -2.0, 1.9), (0.0, 0.0, 1.0)]
+    adj = _adjust(np.full((4, mask_words(vocab)), -1, np.int32), histories, penalties, vocab)
+    got = np.asarray(adj.apply(jnp.asarray(logits)))
+    for i, ((prompt, output), (pp, fp, rp)) in enumerate(zip(histories, penalties,
+                                                             strict=True)):
+        np.testing.assert_allclose(got[i], np_penalize(logits[i], prompt, output, pp, fp, rp),
+                                   rtol=1e-5, atol=1e-5)
+    # Greedy follows the adjusted logits; logprobs stay those of the raw distribution.
+    s = 4
+    tokens, lps, _, _ = sample(jnp.asarray(logits), jnp.zeros(s), jnp.zeros(s, jnp.int32),
+                               jnp.ones(s), jnp.zeros(s, jnp.uint32), jnp.zeros(s, jnp.int32),
+                               adjust=adj)
+    np.testing.assert_array_equal(np.asarray(tokens), got.argmax(-1))
+    raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lps), raw[np.arange(s), got.argmax(-1)], atol=1e-5)
+
+
+def test_bitmask_only_admits_its_tokens_greedy_and_sampled():
+    rng = np.random.default_rng(4)
+    vocab, s = 100, 64
+    allowed = [set(rng.choice(vocab, size=k, replace=False).tolist()) for k in (1, 3, 40, 7)]
+    bits = np.zeros((len(allowed), vocab), bool)
+    for i, a in enumerate(allowed):
+        bits[i, sorted(a)] = True
+    packed = np.packbits(np.pad(bits, ((0, 0), (0, 32 * mask_words(vocab) - vocab))),
+                         axis=1, bitorder="little").view(np.int32)  # llguidance's layout
+    rows = np.repeat(np.arange(len(allowed)), s // len(allowed))
+    logits = jnp.asarray(rng.standard_normal((s, vocab)).astype(np.float32))
+    adj = _adjust(packed[rows], [([], [])] * s, [(0.0, 0.0, 1.0)] * s, vocab)
+    for temperature in (0.0, 1.0):
+        tokens = np.asarray(sample(logits, jnp.full(s, temperature), jnp.zeros(s, jnp.int32),
+                                   jnp.ones(s), jnp.arange(s, dtype=jnp.uint32),
+                                   jnp.zeros(s, jnp.int32), adjust=adj)[0])
+        assert all(int(t) in allowed[r] for t, r in zip(tokens, rows, strict=True))
+    greedy = np.where(bits[rows], np.asarray(logits), -np.inf).argmax(-1)
+    tokens = np.asarray(sample(logits, jnp.zeros(s), jnp.zeros(s, jnp.int32), jnp.ones(s),
+                               jnp.zeros(s, jnp.uint32), jnp.zeros(s, jnp.int32),
+                               adjust=adj)[0])
+    np.testing.assert_array_equal(tokens, greedy)

@@ -17,6 +17,8 @@ from conflux_jax.scheduler.scheduler import Scheduler
 # Sees each executed plan's result before the scheduler commits it, so that requests the
 # caller ends (EOS, stop strings) are dropped in the same commit.
 Observer = Callable[[IterationPlan, StepResult], None]
+# Completes a plan before it runs with what only the caller knows (grammar masks).
+Preparer = Callable[[IterationPlan], IterationPlan]
 
 
 class StepFailed(RuntimeError):
@@ -59,7 +61,8 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def step(self, observe: Observer | None = None) -> Iteration | None:
+    def step(self, observe: Observer | None = None,
+             prepare: Preparer | None = None) -> Iteration | None:
         """Plan, execute and commit one iteration; None when nothing could be scheduled.
 
         Raises :class:`StepFailed` when the executor raises (the plan is committed as not
@@ -71,6 +74,8 @@ class EngineCore:
             sched.commit(plan, None)
             return None
         try:
+            if prepare is not None:
+                plan = prepare(plan)
             result = self.executor.execute(plan)
         except Exception as exc:
             sched.commit(plan, None)

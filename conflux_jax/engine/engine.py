@@ -17,8 +17,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from conflux_jax.engine.core import EngineCore, StepFailed
 from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
+from conflux_jax.grammar import GrammarCompiler, GrammarError, Matcher
 from conflux_jax.latency import Affine, LatencyModel, load_fitted
 from conflux_jax.outputs import OutputTracker, RequestOutput
 from conflux_jax.plan import IterationPlan, SamplingSpec, StepResult
@@ -40,7 +43,12 @@ POLICIES = {  # --policy name: (scheduling order, execution mode)
 
 
 class EngineError(ValueError):
-    """A request the engine cannot accept (the message says why)."""
+    """A request the engine cannot accept (the message says why; ``param`` names the
+    request field at fault)."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +119,9 @@ class Engine:
         self.core = EngineCore(self.scheduler, self.executor)
         self.max_model_len = min(ec.max_model_len, model_config.max_position_embeddings)
         self._live: dict[int, _Live] = {}
+        self._grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+        self._matchers: dict[int, Matcher] = {}  # live grammar-constrained requests
+        self._failed_now: list[StepOutput] = []  # failed while preparing this step's plan
         self._next_id = 0
         self._rng = random.Random()
 
@@ -132,6 +143,8 @@ class Engine:
         for name, slo in (("ttft_slo_s", ttft_slo_s), ("tbt_slo_s", tbt_slo_s)):
             if slo is not None and not slo > 0:
                 raise EngineError(f"{name} must be positive")
+        if sampling.n != 1:  # generate() and the server split n choices into requests
+            raise EngineError("an engine request is one sequence: add n requests", "n")
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -150,7 +163,15 @@ class Engine:
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(31)
         now = time.perf_counter() if arrival_s is None else arrival_s
-        spec = SamplingSpec(sampling.temperature, sampling.top_k, sampling.top_p, seed % 2**32)
+        spec = SamplingSpec(sampling.temperature, sampling.top_k, sampling.top_p, seed % 2**32,
+                            sampling.presence_penalty, sampling.frequency_penalty,
+                            sampling.repetition_penalty)
+        matcher = None
+        if sampling.structured_outputs is not None:
+            try:
+                matcher = self._grammars.matcher(sampling.structured_outputs)
+            except GrammarError as exc:
+                raise EngineError(str(exc), param="structured_outputs") from None
         request = Request(id=rid, arrival_s=now, prompt_len=len(ids), max_new_tokens=max_new,
                           ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
                           prompt_token_ids=tuple(ids), sampling=spec)
@@ -159,14 +180,20 @@ class Engine:
                               "tokens) than one rank holds")
         self._live[rid] = _Live(text, list(ids), OutputTracker(self.tokenizer, sampling, max_new),
                                 now)
+        if matcher is not None:
+            self._matchers[rid] = matcher
         return rid
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its KV pages (no-op if it already finished)."""
-        live = self._live.pop(request_id, None)
+        live = self._forget(request_id)
         if live is not None:
             live.tracker.abort()
             self.core.abort(request_id)
+
+    def _forget(self, request_id: int) -> _Live | None:
+        self._matchers.pop(request_id, None)
+        return self._live.pop(request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
@@ -194,6 +221,14 @@ class Engine:
                 n_top = tracker.params.logprobs
                 top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
                 delta = tracker.append(s.token, s.logprob, top)
+                matcher = self._matchers.get(rid)
+                if matcher is not None and not tracker.finished:
+                    if not matcher.advance(s.token):
+                        delta += tracker.abort("error")
+                        log.error("request %d: grammar rejected a masked token: %s", rid,
+                                  matcher.error)
+                    elif matcher.finished:  # the grammar is complete: no EOS step needed
+                        delta += tracker.stop()
                 outputs.append(StepOutput(
                     rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
                     [tracker.logprobs[-1]] if tracker.logprobs is not None else None))
@@ -201,21 +236,50 @@ class Engine:
                     self.scheduler.finish(rid)
 
         try:
-            self.core.step(observe)
+            self.core.step(observe, self._prepare if self._matchers else None)
         except StepFailed as failed:  # a failing step fails its requests, not the engine
             log.error("step failed; failing its %d requests", len(failed.plan.request_ids),
                       exc_info=failed.__cause__)
             return self._fail(failed.plan.request_ids)
         for out in outputs:
             if out.finished:
-                self._live.pop(out.request_id, None)
+                self._forget(out.request_id)
+        if self._failed_now:
+            outputs, self._failed_now = self._failed_now + outputs, []
         return outputs
+
+    def _prepare(self, plan: IterationPlan) -> IterationPlan:
+        """The grammar masks of the plan's constrained rows, from their committed tokens.
+
+        Each matcher first follows its request's output ids as the scheduler holds them
+        (rolling back anything the request no longer holds), so a recompute after
+        preemption, which replays those ids, samples under the right state.
+        """
+        matchers = self._matchers
+        rows = [p.request_id for p in plan.prefill if p.completes and p.request_id in matchers]
+        rows += [d.request_id for d in plan.decode if d.request_id in matchers]
+        if not rows:
+            return plan
+        live_rows: list[int] = []
+        for rid in rows:
+            st = self.scheduler.state(rid)
+            m = matchers[rid]
+            if st is None:
+                continue
+            if m.sync(st.output_ids):
+                live_rows.append(rid)
+            else:  # cannot happen with masked sampling; fail the request, not the step
+                log.error("request %d: grammar rejected its own tokens: %s", rid, m.error)
+                self._failed_now += self._fail([rid])
+        masks = np.empty((len(live_rows), self._grammars.words), np.int32)
+        self._grammars.fill_masks([matchers[r] for r in live_rows], masks)
+        return dataclasses.replace(plan, token_masks=dict(zip(live_rows, masks, strict=True)))
 
     def _fail(self, ids: list[int]) -> list[StepOutput]:
         now = time.perf_counter()
         outs = []
         for rid in ids:
-            live = self._live.pop(rid, None)
+            live = self._forget(rid)
             if live is None:
                 continue
             delta = live.tracker.abort("error")
@@ -233,26 +297,34 @@ class Engine:
     # ------------------------------------------------------------------ offline use
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling: Sequence[SamplingParams]) -> list[RequestOutput]:
-        """Run prompts to completion (the offline ``LLM`` API)."""
-        ids: list[int] = []
+        """Run prompts to completion (the offline ``LLM`` API). A prompt whose params ask
+        for ``n`` outputs runs as ``n`` requests (with a seed, output i uses seed + i)."""
+        groups: list[list[int]] = []
         try:
             for p, sp in zip(prompts, sampling, strict=True):
-                ids.append(self.add_request(p, sp))
+                group: list[int] = []
+                groups.append(group)
+                for i in range(sp.n):
+                    seed = None if sp.seed is None else sp.seed + i
+                    group.append(self.add_request(p, dataclasses.replace(sp, n=1, seed=seed)))
         except Exception:
-            for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+            for rid in (r for g in groups for r in g):  # all or nothing: queue none
                 self.abort(rid)
             raise
+        ids = [r for g in groups for r in g]
         snapshots = {rid: self._live[rid] for rid in ids}
         while any(rid in self._live for rid in ids):
             self.step()
         results = []
-        for rid, prompt in zip(ids, prompts, strict=True):
-            live = snapshots[rid]
+        for group, prompt in zip(groups, prompts, strict=True):
+            lives = [snapshots[rid] for rid in group]
+            first = lives[0]
             results.append(RequestOutput(
-                str(rid), prompt if isinstance(prompt, str) else None,
-                live.prompt_ids, [live.tracker.completion()], True,
-                metrics={"arrival_s": live.arrival_s, "first_token_s": live.first_token_s,
-                         "token_times_s": live.token_times}))
+                str(group[0]), prompt if isinstance(prompt, str) else None,
+                first.prompt_ids, [live.tracker.completion(i) for i, live in enumerate(lives)],
+                True, metrics={"arrival_s": first.arrival_s,
+                               "first_token_s": first.first_token_s,
+                               "token_times_s": first.token_times}))
         return results
 
 

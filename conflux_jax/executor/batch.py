@@ -16,6 +16,7 @@ scatter; transfer destination page ids ``num_pages`` are dropped.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,12 +34,20 @@ class BatchLayout:
     max_prefill_seqs: int  # S when the step has prefill
     prefill_pages_per_seq: int  # Wp
     num_pages: int  # pages per rank (the dropped transfer destination)
+    vocab: int = 0  # V: history padding (dropped by the penalties' scatter)
+    mask_words: int = 1  # W
+    history_len: int = 1  # H
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleRows:
-    """Per rank: which buffer rows are sampled, and how."""
+    """Per rank: which buffer rows are sampled, and how.
+
+    ``bitmask`` and ``history`` are large and unused by most steps: a step with no
+    constrained (penalized) row sends the executor's device-resident padding for them,
+    so it pays no transfer (see ``StepBatch.padding``).
+    """
 
     index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
     temperature: jax.Array  # f32[N, R]
@@ -46,6 +55,12 @@ class SampleRows:
     top_p: jax.Array  # f32[N, R]
     seed: jax.Array  # u32[N, R]
     step: jax.Array  # i32[N, R]  output index being sampled (per-request key)
+    presence: jax.Array  # f32[N, R]  presence penalty (0 = off)
+    frequency: jax.Array  # f32[N, R]  frequency penalty (0 = off)
+    repetition: jax.Array  # f32[N, R]  repetition penalty (1 = off)
+    num_prompt: jax.Array  # i32[N, R]  prompt tokens at the head of ``history``
+    bitmask: jax.Array  # i32[N, R, W] allowed tokens, packed; all ones = unconstrained
+    history: jax.Array  # i32[N, R, H] prompt then output ids of penalized rows; pad V
 
 
 @jax.tree_util.register_dataclass
@@ -93,18 +108,39 @@ class StepBatch:
     rank: RankInputs
     shared: SharedInputs
 
+    @staticmethod
+    def sample_rows(shape: StepShape, layout: BatchLayout) -> int:
+        """R: sampling rows per rank (no prefill slice: no rows for prefill sequences)."""
+        return shape.decode + (layout.max_prefill_seqs if shape.prefill else 1)
+
+    @staticmethod
+    def padding_bitmask(rows: int, layout: BatchLayout) -> np.ndarray:  # i32[N, R, W]
+        return np.full((layout.num_ranks, rows, layout.mask_words), -1, np.int32)
+
+    @staticmethod
+    def padding_history(rows: int, layout: BatchLayout) -> np.ndarray:  # i32[N, R, H]
+        return np.full((layout.num_ranks, rows, layout.history_len), layout.vocab, np.int32)
+
     @classmethod
-    def padding(cls, shape: StepShape, layout: BatchLayout) -> StepBatch:
-        """Host (numpy) buffers for one step shape, every slot holding its padding value."""
+    def padding(cls, shape: StepShape, layout: BatchLayout, bitmask: Any = None,
+                history: Any = None) -> StepBatch:
+        """Host (numpy) buffers for one step shape, every slot holding its padding value.
+
+        ``bitmask`` / ``history``, when given, are used as they are (the executor passes
+        its device-resident padding when no row needs them); otherwise fresh numpy ones.
+        """
         n, t, p, d = layout.num_ranks, shape.tokens, shape.prefill, shape.decode
-        # No prefill slice: no prefill sequences, and no sampling rows for them.
         s = layout.max_prefill_seqs if p else 1
-        r, x = d + s, shape.transfer
+        r, x = cls.sample_rows(shape, layout), shape.transfer
         i32 = np.int32
         sample = SampleRows(
             index=np.zeros((n, r), i32), temperature=np.zeros((n, r), np.float32),
             top_k=np.zeros((n, r), i32), top_p=np.ones((n, r), np.float32),
-            seed=np.zeros((n, r), np.uint32), step=np.zeros((n, r), i32))
+            seed=np.zeros((n, r), np.uint32), step=np.zeros((n, r), i32),
+            presence=np.zeros((n, r), np.float32), frequency=np.zeros((n, r), np.float32),
+            repetition=np.ones((n, r), np.float32), num_prompt=np.zeros((n, r), i32),
+            bitmask=cls.padding_bitmask(r, layout) if bitmask is None else bitmask,
+            history=cls.padding_history(r, layout) if history is None else history)
         rank = RankInputs(
             tokens=np.zeros((n, t), i32), positions=np.zeros((n, t), i32),
             decode_index=np.full((n, d), t, i32), decode_slot=np.full((n, d), -1, i32),

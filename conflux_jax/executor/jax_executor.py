@@ -42,6 +42,7 @@ from conflux_jax.plan import (
     SamplingSpec,
     StepResult,
 )
+from conflux_jax.sampling import mask_words
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,12 @@ class JaxExecutor:
         self._step = build_step(self.step_config, self.mesh, self._param_specs)
         prefill_pages_per_seq = -(-ec.max_model_len // (ec.page_size * n))
         self.layout = BatchLayout(n, ec.buckets.max_prefill_seqs, prefill_pages_per_seq,
-                                  ec.num_pages)
+                                  ec.num_pages, vocab=config.vocab_size,
+                                  mask_words=mask_words(config.vocab_size),
+                                  history_len=ec.max_model_len)
+        # Device-resident mask / history padding per row count R: a step with no
+        # constrained or penalized row sends these instead of fresh host buffers.
+        self._idle_rows: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.planner = ShapePlanner(
             ec.buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
             transfer_groups=prefill_pages_per_seq)
@@ -199,10 +205,12 @@ class JaxExecutor:
             decode_pages_max=max((len(s.pages) for s in plan.decode), default=1),
             transfer_max=groups_moved)
         p = shape.prefill
-        batch = StepBatch.padding(shape, self.layout)
+        batch = self._padding(shape, plan)
         a, meta, rows_in = batch.rank, batch.shared, batch.rank.sample
         rows: dict[int, tuple[int, int]] = {}
         n_sample = [0] * n
+
+        masks, histories = plan.token_masks, plan.histories
 
         def add_sample(rank: int, index: int, req: int, spec: SamplingSpec, step: int) -> None:
             row = n_sample[rank]
@@ -214,6 +222,10 @@ class JaxExecutor:
             rows_in.seed[rank, row] = spec.seed
             rows_in.step[rank, row] = step
             rows[req] = (rank, row)
+            if masks and (mask := masks.get(req)) is not None:
+                rows_in.bitmask[rank, row] = mask
+            if histories and (hist := histories.get(req)) is not None:
+                self._fill_penalties(rows_in, rank, row, spec, hist)
 
         # Prefill: rank-local slots [0, n_p^r) in plan order; kernel order is plan order
         # with each chunk contiguous, which is what the attention kernel needs.
@@ -278,6 +290,32 @@ class JaxExecutor:
             add_sample(r, index, slot.request_id, slot.sampling, slot.sample_step)
         a.num_decode[:] = dcount
         return shape, batch, rows
+
+    def _padding(self, shape: StepShape, plan: IterationPlan) -> StepBatch:
+        """The step's host batch; mask and history buffers only when some row uses them."""
+        layout = self.layout
+        r = StepBatch.sample_rows(shape, layout)
+        idle = self._idle_rows.get(r)
+        if idle is None:
+            spec = self._shardings.rank.sample
+            idle = (jax.device_put(StepBatch.padding_bitmask(r, layout), spec.bitmask),
+                    jax.device_put(StepBatch.padding_history(r, layout), spec.history))
+            self._idle_rows[r] = idle
+        return StepBatch.padding(shape, layout,
+                                 bitmask=None if plan.token_masks else idle[0],
+                                 history=None if plan.histories else idle[1])
+
+    def _fill_penalties(self, rows_in: Any, rank: int, row: int, spec: SamplingSpec,
+                        hist: tuple[Any, Any]) -> None:
+        prompt, output = hist
+        h = self.layout.history_len
+        tokens = np.concatenate([np.asarray(prompt, np.int32),
+                                 np.asarray(output, np.int32)])[:h]
+        rows_in.history[rank, row, :len(tokens)] = tokens
+        rows_in.num_prompt[rank, row] = len(prompt)
+        rows_in.presence[rank, row] = spec.presence_penalty
+        rows_in.frequency[rank, row] = spec.frequency_penalty
+        rows_in.repetition[rank, row] = spec.repetition_penalty
 
     def _fill_transfer(self, batch: StepBatch, piece: PrefillPiece) -> None:
         """Transfer slots moving a completed prefill's page groups to its decode pages.

@@ -36,7 +36,7 @@ from conflux_jax.executor.batch import (
 from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params
-from conflux_jax.sampling import sample
+from conflux_jax.sampling import LogitAdjustments, sample
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -146,9 +146,11 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis)
     rows = b.sample
     logits = model.logits(x[rows.index])  # f32[R, V]
+    adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,
+                              rows.frequency, rows.repetition)
     tokens, logprobs, top_ids, top_lps = sample(
         logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
-        cfg.num_top_logprobs)
+        cfg.num_top_logprobs, adjust)
     sampled = SampledRows(tokens, logprobs, top_ids, top_lps,
                           logits if cfg.return_logits else None)
     return StepOutputs(k_pool[None], v_pool[None], jax.tree.map(lambda a: a[None], sampled))

@@ -80,6 +80,7 @@ class Scheduler:
         self._preempted_now: list[int] = []
         self.num_preemptions = 0
         self._tau = config.tbt_slo_s  # this iteration's TBT bound (per-request SLOs)
+        self._penalized: set[int] = set()  # requests whose tokens go into plan.histories
 
     # ---- request intake and exit ----------------------------------------------------
     def fits(self, req: Request) -> bool:
@@ -101,6 +102,8 @@ class Scheduler:
                           prefilled=req.cached_prefix)
         self._states[req.id] = st
         self._pending[req.id] = st
+        if req.sampling.penalized and req.prompt_token_ids:
+            self._penalized.add(req.id)
         return True
 
     def abort(self, request_id: int) -> None:
@@ -118,6 +121,7 @@ class Scheduler:
         st = self._states.pop(request_id, None)
         if st is None:
             return
+        self._penalized.discard(request_id)
         if request_id in self.blocks:
             self.blocks.free(request_id)
         if st.phase == "decode":
@@ -184,7 +188,20 @@ class Scheduler:
         self._released = []
         return IterationPlan(prefill=pieces, decode=slots, estimated_latency_s=est,
                              mode=mode, released=released,  # type: ignore[arg-type]
-                             preempted=tuple(preempted), fits_slo=est <= self._tau)
+                             preempted=tuple(preempted), fits_slo=est <= self._tau,
+                             histories=self._histories(pieces, slots))
+
+    def _histories(self, pieces: tuple[PrefillPiece, ...], slots: tuple[DecodeSlot, ...]
+                   ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Prompt and output tokens of the penalized requests that sample this iteration
+        (the penalties count them on the device)."""
+        if not self._penalized:
+            return {}
+        sampling = {p.request_id for p in pieces if p.completes}
+        sampling.update(d.request_id for d in slots)
+        return {rid: (st.req.prompt_token_ids, tuple(st.output_ids))
+                for rid in self._penalized & sampling
+                if (st := self._states[rid]) is not None}
 
     def commit(self, plan: IterationPlan, result: StepResult | None = None) -> list[int]:
         """Apply an executed plan; returns the ids of requests that finished."""
