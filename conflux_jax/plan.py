@@ -199,6 +199,13 @@ class KVSpec:
         return self.num_pages * self.page_size
 
 
+class KVLost(RuntimeError):
+    """A step failed after the executor had handed its KV state to the device (the JAX
+    executor donates its pools to the compiled call, so a failure there deletes them).
+    The executor has rebuilt that state empty and can run the next plan, but every
+    request that held KV has lost it and must be recomputed."""
+
+
 @runtime_checkable
 class Executor(Protocol):
     """Runs iteration plans on its own clock: the JAX executor on the wall clock, the
@@ -214,4 +221,6 @@ class Executor(Protocol):
         """The executor's clock (seconds): when the next plan would start."""
         ...
 
-    def execute(self, plan: IterationPlan) -> StepResult: ...
+    def execute(self, plan: IterationPlan) -> StepResult:
+        """Run ``plan``. Raises :class:`KVLost` when a failure cost the executor its KV."""
+        ...

@@ -17,6 +17,7 @@ from conflux_jax.engine import Engine, EngineConfig, EngineError
 from conflux_jax.executor.buckets import BucketConfig
 from conflux_jax.executor.jax_executor import ExecutorConfig
 from conflux_jax.models.decoder import random_params
+from conflux_jax.plan import KVLost
 from conflux_jax.sampling import SamplingParams
 from conflux_jax.tokenizer import Tokenizer
 
@@ -129,14 +130,34 @@ def test_abort_frees_pages_and_bad_input_is_rejected():
         engine.add_request([99999], SamplingParams())
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
+@pytest.mark.parametrize("where", ["boundary", "compiled"])
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, monkeypatch,
+                                                                        caplog):
+    """A step fails once, at the executor boundary (before the device) or inside the
+    compiled call (after the KV pools were donated to it, which deletes them)."""
+    armed = {"on": False}
+    if where == "compiled":
+        import conflux_jax.executor.step as step_mod
+
+        real_sample = step_mod.sample
+
+        def fail_if_armed(_):
+            if armed["on"]:
+                raise RuntimeError("injected device failure")
+
+        def sample(logits, *args, **kwargs):  # traced into the step: a host callback there
+            jax.debug.callback(fail_if_armed, logits[0, 0])
+            return real_sample(logits, *args, **kwargs)
+
+        monkeypatch.setattr(step_mod, "sample", sample)
     engine = make_engine()
     real_run = engine.executor.execute
     calls = {"n": 0}
 
-    def flaky(plan):  # fault injection at the executor boundary, once
+    def flaky(plan):  # fault injection, once
         calls["n"] += 1
-        if calls["n"] == 2:
+        armed["on"] = calls["n"] == 2
+        if armed["on"] and where == "boundary":
             raise RuntimeError("injected device failure")
         return real_run(plan)
 
@@ -145,7 +166,16 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving():
     outs = []
     while engine.has_unfinished:
         outs += engine.step()
+    armed["on"] = False
     assert [o.finish_reason for o in outs if o.request_id == rid][-1] == "error"
+    failure = next(r.exc_info[1] for r in caplog.records
+                   if r.name == "conflux_jax.engine.engine" and r.exc_info)
+    if where == "compiled":
+        assert isinstance(failure, KVLost) and "rebuilt empty" in str(failure)
+        assert "injected device failure" in str(failure)
+        assert not engine.executor.k_pool.is_deleted()  # a fresh pool serves what follows
+    else:
+        assert not isinstance(failure, KVLost)  # the pools were never handed over: kept
     ok = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0,
                                                       ignore_eos=True)])[0]
     assert ok.outputs[0].token_ids == solo_greedy([5, 6, 7], 4)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from conflux_jax.plan import Executor, IterationPlan, StepResult
+from conflux_jax.plan import Executor, IterationPlan, KVLost, StepResult
 from conflux_jax.scheduler.request import Request
 from conflux_jax.scheduler.scheduler import Scheduler
 
@@ -66,7 +66,10 @@ class EngineCore:
         """Plan, execute and commit one iteration; None when nothing could be scheduled.
 
         Raises :class:`StepFailed` when the executor raises (the plan is committed as not
-        run, so the scheduler's KV bookkeeping stays whole).
+        run, so the scheduler's KV bookkeeping stays whole). When the failure cost the
+        executor its KV (:class:`~conflux_jax.plan.KVLost`), every request that held KV
+        is first set to recompute from its tokens: the caller fails the plan's requests,
+        and the others resume as if preempted.
         """
         sched = self.scheduler
         plan = sched.schedule(self.executor.now())
@@ -79,6 +82,8 @@ class EngineCore:
             result = self.executor.execute(plan)
         except Exception as exc:
             sched.commit(plan, None)
+            if isinstance(exc, KVLost):
+                sched.recompute_all()
             raise StepFailed(plan, exc) from exc
         if observe is not None:
             observe(plan, result)

@@ -127,5 +127,6 @@ def _capped(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
         capped.append(cap)
     return tuple(capped)
 
+
 def pages_needed(tokens: int, page_size: int) -> int:
     return max(1, math.ceil(tokens / page_size))

@@ -36,6 +36,7 @@ from conflux_jax.executor.step import (
 from conflux_jax.models.params import Params
 from conflux_jax.plan import (
     IterationPlan,
+    KVLost,
     KVSpec,
     PrefillPiece,
     SampledToken,
@@ -85,8 +86,8 @@ class JaxExecutor:
             padded_params, self._param_specs)
         pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
         shape = kv_pool_shape(self.step_config)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
-        self.k_pool, self.v_pool = zeros(), zeros()
+        self._zero_pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
+        self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
         self._step = build_step(self.step_config, self.mesh, self._param_specs)
         prefill_pages_per_seq = -(-ec.max_model_len // (ec.page_size * n))
         self.layout = BatchLayout(n, ec.buckets.max_prefill_seqs, prefill_pages_per_seq,
@@ -164,9 +165,18 @@ class JaxExecutor:
         self.last_transfer_bytes = self.transfer_bytes(host)
         batch = jax.device_put(host, self._shardings)
         with self.guard.watch():
-            out = compiled(self.params, self.k_pool, self.v_pool, batch)
-        self.k_pool, self.v_pool = out.k_pool, out.v_pool
-        s = jax.device_get(out.sampled)
+            try:
+                out = compiled(self.params, self.k_pool, self.v_pool, batch)
+                # Errors of the device computation surface here, when its results are read.
+                s = jax.device_get(out.sampled)
+            except Exception as exc:
+                if not (self.k_pool.is_deleted() or self.v_pool.is_deleted()):
+                    raise  # failed before the pools were donated: they still hold the KV
+                # Donated to the failed call: deleted, and its outputs hold the error.
+                self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
+                raise KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
+                             "its donated KV pools are gone and were rebuilt empty") from exc
+            self.k_pool, self.v_pool = out.k_pool, out.v_pool
         sampled: dict[int, SampledToken] = {}
         for req, (rank, row) in rows.items():
             top = {int(t): float(lp) for t, lp in zip(s.top_ids[rank, row],

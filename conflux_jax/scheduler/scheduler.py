@@ -117,6 +117,17 @@ class Scheduler:
         """The engine saw EOS / a stop condition: same as abort for the scheduler."""
         self.abort(request_id)
 
+    def recompute_all(self) -> list[int]:
+        """The executor lost its KV: preempt every request holding pages (decoding or part
+        prefilled) to recompute from its prompt and sampled tokens. Returns their ids."""
+        if self._inflight:
+            raise RuntimeError("recompute_all() between schedule() and commit()")
+        preempted: list[int] = []
+        for st in list(self._states.values()):
+            if st.id in self.blocks:
+                self._preempt(st, preempted)
+        return preempted
+
     def _drop(self, request_id: int) -> None:
         st = self._states.pop(request_id, None)
         if st is None:

@@ -74,8 +74,12 @@ def test_transfer_moves_only_what_completes(setup) -> None:
             decode_pages=bm.decode_pages(rid)))
     plan = IterationPlan(tuple(pieces), (), estimated_latency_s=0.0)
     need_groups = sum(-(-len(p) // GROUP) for p in prompts.values())  # 3 + 1
-    shape = ex.build_batch(plan)[0]
+    shape, batch, _ = ex.build_batch(plan)
     assert shape.transfer == need_groups == 4  # an exact bucket: no padding groups
+    # what each rank sends to each rank: request 1's group to rank 0, request 0's three to
+    # rank 2, nothing to the ranks that decode neither
+    assert batch.shared.transfer_count.tolist() == [1, 0, 3, 0]
+    assert batch.shared.transfer_start.tolist()[::2] == [0, 1]
     run(plan)
     # What the completing requests need: all heads of their KV, rounded up to page groups,
     # less the head shard the decode rank holds already (K and V, every layer).

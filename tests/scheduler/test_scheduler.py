@@ -275,3 +275,51 @@ def test_cached_prefix_is_never_prefilled(mode: str) -> None:
     assert report.records[0].tokens == 3 and report.records[0].finish_s is not None
     with pytest.raises(ValueError, match="cached_prefix"):
         Request(1, 0.0, 10, 1, cached_prefix=10)
+
+
+def test_lost_kv_recomputes_every_request_that_held_it() -> None:
+    """An executor that lost its KV (a failed compiled step) makes the core preempt every
+    request holding pages, in the failed plan or not: the plan's requests are failed by
+    the caller, the others recompute from their tokens and finish."""
+    from conflux_jax.engine.core import EngineCore, StepFailed
+    from conflux_jax.plan import KVLost
+
+    class Losing(SimExecutor):
+        fail_next = False
+
+        def execute(self, plan):  # noqa: ANN001, ANN202
+            if self.fail_next:
+                self.fail_next = False
+                raise KVLost("injected: the device lost the pools")
+            return super().execute(plan)
+
+    # Phase-isolated iterations: a prefill iteration leaves resident decodes out of the plan.
+    cfg = SchedulerConfig(tbt_slo_s=TBT, ttft_slo_s=TTFT, mode="isolated")
+    model = roofline_model("qwen3-14b", "h100", sp=4)
+    sched = Scheduler(cfg, model, BlockManager(4, 3000, 16))
+    ex = Losing(model, KVSpec(4, 3000, 16))
+    core = EngineCore(sched, ex)
+    for i, n in enumerate((500, 800)):
+        core.add(Request(i, 0.0, n, 20))
+    while sched.num_decoding < 2:
+        core.step()
+    core.step()  # one decode token each
+    core.add(Request(2, ex.now(), 3000, 5))
+    ex.fail_next = True
+    with pytest.raises(StepFailed) as info:
+        core.step()
+    failed = set(info.value.plan.request_ids)
+    assert failed == {2}  # a prefill-only plan: the two decodes held KV outside it
+    for rid in failed:
+        core.abort(rid)
+    for rid in (0, 1):
+        st = sched.state(rid)
+        assert st.phase == "waiting" and st.prefilled == 0 and rid not in sched.blocks
+        assert st.target == st.req.prompt_len + st.generated and st.generated >= 2
+    assert all(sched.blocks.free_pages(r) == 3000 for r in range(4))
+    finished = []
+    while core.has_work:
+        it = core.step()
+        finished += it.finished if it else []
+    assert sorted(finished) == [0, 1]
+    sched.blocks.check_consistency()

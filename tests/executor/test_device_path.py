@@ -1,0 +1,103 @@
+"""The accelerator path, checked on CPU: the whole step with the Pallas attention kernel (in
+interpret mode) against the dense reference, and the whole step lowered for CUDA (Triton)
+and for TPU without a device, so lowering errors in context show up here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from conflux_workload import run_random_workload
+from tiny_models import TINY_LLAMA, TINY_SMOL
+
+import pallas_kernels._common as kernel_common
+from conflux_jax.executor.buckets import BucketConfig, StepShape
+from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
+from conflux_jax.models.decoder import random_params
+from pallas_kernels.ragged_paged_attention import pallas as rpa_pallas_mod
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+
+# SmolLM2's 9/3 heads (padded to 12/4 at sp=4) with the Pallas kernel's smallest head dim.
+SMOL16 = TINY_SMOL.replace(head_dim=16)
+# One token bucket and one transfer bucket: three executables (the interpreted kernel makes
+# each compile slow).
+BUCKETS = BucketConfig(tokens=(16,), decode=(8,), decode_pages=(16,), transfer=(4,),
+                       max_prefill_seqs=3)
+CASES = {  # name: (config, mesh)
+    "padded-heads-sp4": (SMOL16, "sp=4,tp=1"),
+    "llama-sp2-tp2": (TINY_LLAMA, "sp=2,tp=2"),
+    # 3 KV heads padded to 4 = sp*tp: padding heads, Ulysses SP and base TP at once
+    "padded-heads-sp2-tp2": (SMOL16, "sp=2,tp=2"),
+}
+
+
+def _executor(config: Any, mesh: str, impl: str, **kw: Any) -> tuple[JaxExecutor, Any]:
+    params = random_params(config, seed=5, scale=0.2)
+    ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=48, max_model_len=64,
+                        buckets=BUCKETS, attention_impl=impl, **kw)
+    return JaxExecutor(config, params, ec), params
+
+
+def test_step_with_the_pallas_kernel_matches_reference(monkeypatch) -> None:
+    """Prefill (chunked, several at once), the KV transfer and decode, through the stacked
+    pool, the layer page offsets and the prefill view, with the kernel interpreted; on a
+    mesh with SP, TP and padded heads (one case: each interpreted compile takes seconds)."""
+    config, mesh = CASES["padded-heads-sp2-tp2"]
+    calls: list[bool] = []
+    kernel = rpa_pallas_mod.rpa_pallas
+
+    def spy(*args: Any, interpret: bool, **kwargs: Any) -> Any:
+        calls.append(interpret)
+        return kernel(*args, interpret=interpret, **kwargs)
+
+    monkeypatch.setattr(rpa_pallas_mod, "rpa_pallas", spy)
+    ex, params = _executor(config, mesh, "interpret", return_logits=True)
+    assert ex.step_config.model.num_kv_heads == 4 > config.num_kv_heads  # padded heads
+    shapes: list[StepShape] = []
+    execute = ex.execute
+
+    def record(plan):  # noqa: ANN001, ANN202
+        shapes.append(ex.build_batch(plan)[0])
+        return execute(plan)
+
+    ex.execute = record  # type: ignore[method-assign]
+    stats = run_random_workload(ex, params, np.random.default_rng(11), num_requests=3,
+                                max_prompt=20, max_output=3)
+    assert stats["checked"] >= 3
+    assert calls and all(calls)  # every attention of every compiled step: the kernel
+    assert any(s.transfer for s in shapes) and any(s.prefill and s.decode for s in shapes)
+
+
+def _lower(ex: JaxExecutor, shape: StepShape, platform: str) -> str:
+    return ex._step.trace(*ex._abstract_args(shape)).lower(
+        lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_whole_step_lowers_for_cuda(case: str, monkeypatch) -> None:
+    """The step with the compiled kernel (impl="pallas") lowers to Triton for CUDA from this
+    CPU machine, the KV transfer as a ragged all-to-all (no gather to every rank)."""
+    monkeypatch.setattr(kernel_common, "on_gpu", lambda: True)  # allow impl="pallas" here
+    config, mesh = CASES[case]
+    ex, _ = _executor(config, mesh, "pallas")
+    mixed = ex.planner.shape_for(prefill_max=6, decode_max=2, combined_max=8,
+                                 decode_pages_max=4, transfer_max=3)
+    assert mixed.prefill and mixed.decode and mixed.transfer
+    decode_only = ex.planner.shape_for(0, 3, 3, 4)
+    text = _lower(ex, mixed, "cuda")
+    assert "triton" in text and "ragged_all_to_all" in text and "all_gather" not in text
+    text = _lower(ex, decode_only, "cuda")
+    assert "triton" in text and "all_to_all" not in text  # decode stays on its rank
+
+
+def test_whole_step_lowers_for_tpu() -> None:
+    """Without a TPU the step lowers for TPU with the jnp attention path: the collectives,
+    the ragged transfer and the in-place pool updates are all expressible there. (The
+    Triton kernel is GPU-only.)"""
+    ex, _ = _executor(SMOL16, "sp=4,tp=1", "xla")
+    mixed = ex.planner.shape_for(6, 2, 8, 4, transfer_max=3)
+    text = _lower(ex, mixed, "tpu")
+    assert "ragged_all_to_all" in text and "all_gather" not in text

@@ -1,0 +1,48 @@
+"""The compiled step updates the KV pools in place: no pool-sized copy in its HLO, and its
+memory analysis shows both pools aliased to the outputs (donated), not doubled.
+
+The pool is made much larger than everything else a step touches, so a copy of it (or a
+second pool in temporaries) cannot hide among the bucket-sized buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import pytest
+from tiny_models import TINY_LLAMA
+
+from conflux_jax.executor.buckets import BucketConfig
+from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
+from conflux_jax.models.decoder import random_params
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+
+# An HLO instruction that copies: `%name = f32[1,2,4096,4,2,16]{...} copy(...)`.
+_COPY = re.compile(r"=\s*\w+\[([\d,]*)\]\S*\s+copy(?:-start)?\(")
+
+
+@pytest.mark.parametrize("mesh", ["sp=4,tp=1", "sp=2,tp=2"])
+def test_step_updates_the_pool_in_place(mesh: str) -> None:
+    params = random_params(TINY_LLAMA, seed=1, scale=0.2)
+    ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=4096, max_model_len=128,
+                        buckets=BucketConfig(tokens=(32,), decode=(8,), decode_pages=(32,),
+                                             transfer=(8,), max_prefill_seqs=4))
+    ex = JaxExecutor(TINY_LLAMA, params, ec)
+    local = ex.k_pool.addressable_shards[0].data  # one device's pool: f[1, L, pages, ...]
+    pool_bytes = local.size * local.dtype.itemsize
+    shapes = [ex.planner.shape_for(0, 5, 5, 8),  # decode only
+              ex.planner.shape_for(20, 5, 25, 8, transfer_max=3)]  # prefill + transfer
+    for shape in shapes:
+        ex.compile_shape(shape)
+        compiled = ex._compiled[shape]
+        copies = [math.prod(int(x) for x in dims.split(",") if x)
+                  for dims in _COPY.findall(compiled.as_text())]
+        assert copies, "no copy instruction parsed: the HLO pattern is stale"
+        assert max(copies) < local.size, f"{shape}: a pool-sized copy"
+        mem = compiled.memory_analysis()
+        assert mem.alias_size_in_bytes == 2 * pool_bytes, f"{shape}: K and V not donated"
+        assert mem.temp_size_in_bytes < pool_bytes / 2, f"{shape}: a pool in temporaries"
+        assert mem.output_size_in_bytes < 2 * pool_bytes * 1.01  # the outputs are the pools
