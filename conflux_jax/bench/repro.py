@@ -21,9 +21,13 @@ paper's measured ones.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
+import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +46,7 @@ from conflux_jax.sim.policies import (
     instance_report,
     resolved,
     run_policy,
+    sweep,
     swept_value,
 )
 from conflux_jax.slo import ATTAINMENT_TARGET as TARGET
@@ -176,39 +181,64 @@ def _goodput(spec: InstanceSpec, base: list, num_requests: int, seed: int
     return goodput_search(att)
 
 
+@functools.lru_cache(maxsize=4)
+def _workload(trace: str, num_requests: int, seed: int) -> list:
+    return load_workload(trace, num_requests, seed)
+
+
+def _search(task: tuple[InstanceSpec, str, int, int]) -> tuple[float, dict]:
+    """One goodput search (a process-pool task)."""
+    spec, trace, num_requests, seed = task
+    return _goodput(spec, _workload(trace, num_requests, seed), num_requests, seed)
+
+
+def _searches(specs: list[InstanceSpec], trace: str, num_requests: int, seed: int,
+              jobs: int, desc: str) -> dict[InstanceSpec, tuple[float, dict]]:
+    """Goodput searches of ``specs`` (deduplicated), over ``jobs`` processes."""
+    todo = list(dict.fromkeys(specs))
+    tasks = [(s, trace, num_requests, seed) for s in todo]
+    if jobs <= 1:
+        found = [_search(t) for t in tqdm(tasks, desc=desc)]
+    else:
+        # spawn, not fork: the caller may have started JAX's threads (a forked copy can hang)
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            found = list(tqdm(pool.map(_search, tasks), total=len(tasks), desc=desc))
+    return dict(zip(todo, found, strict=True))
+
+
 def paper_overlap(policy: str) -> str:
     return f"{policy} (paper's overlap)"
 
 
 def fig12(num_requests: int = 1000, seed: int = 0, models: list[str] | None = None,
           sets: list[str] | None = None, hardware: str = "h100",
-          trace: str = "toolagent", sweep_baselines: bool = True) -> tuple[dict, dict]:
+          trace: str = "toolagent", sweep_baselines: bool = True,
+          jobs: int = 1) -> tuple[dict, dict]:
     """Goodput per system; each baseline at the best setting of its sweep, and ConfluxServe
     also with the paper's attention overlap (labelled, not counted in the ratio). Returns
     the results and the chosen :class:`InstanceSpec` per (model, set, system)."""
     models = models or list(FIG12_MODELS)
     sets = sets or list(FIG12_SETS)
-    base = load_workload(trace, num_requests, seed)
-    jobs = [(m, s, p, att) for m in models for s in sets for p in FIG12_SETS[s]
-            for att in (("serial", "paper") if p.startswith("ConfluxServe") else ("serial",))]
+    entries = []  # (model, set, name, default spec, candidates)
+    for m in models:
+        ttft, tbt = SLOS[m]
+        for s in sets:
+            for p in FIG12_SETS[s]:
+                modes = ("serial", "paper") if p.startswith("ConfluxServe") else ("serial",)
+                for att in modes:
+                    spec = resolved(InstanceSpec(p, m, hardware, FIG12_MODELS[m], ttft, tbt,
+                                                 attention=att, seed=seed))
+                    name = p if att == "serial" else paper_overlap(p)
+                    entries.append((m, s, name, spec,
+                                    sweep(spec) if sweep_baselines else [spec]))
+    found = _searches([c for *_, cands in entries for c in cands], trace, num_requests,
+                      seed, jobs, "fig12 goodput searches")
     good: dict = {m: {s: {} for s in sets} for m in models}
     scans: dict = {m: {} for m in models}
     settings: dict = {m: {s: {} for s in sets} for m in models}
-    for model, _set, policy, attention in tqdm(jobs, desc="fig12 goodput searches"):
-        ttft, tbt = SLOS[model]
-        spec = resolved(InstanceSpec(policy, model, hardware, FIG12_MODELS[model], ttft, tbt,
-                                     attention=attention, seed=seed))
-        name = policy if attention == "serial" else paper_overlap(policy)
-        found: dict = {}
-
-        def score(cand: InstanceSpec, found: dict = found) -> tuple[float]:
-            found[cand] = _goodput(cand, base, num_requests, seed)
-            return (found[cand][0],)
-
-        if sweep_baselines:
-            best, tried = best_setting(spec, score)
-        else:
-            best, tried = spec, [{"value": swept_value(spec), "score": list(score(spec))}]
+    for model, _set, name, spec, cands in entries:
+        best, tried = best_setting(spec, lambda c: (found[c][0],), cands)
         g, seen = found[best]
         good[model][_set][name] = g
         scans[model][name] = {f"{r:g}": a for r, a in sorted(seen.items())}
@@ -244,19 +274,23 @@ ERROR_LEVELS = (0.0, 0.025, 0.05, 0.1)
 
 
 def error_table(specs: dict[str, InstanceSpec], num_requests: int = 1000, seed: int = 0,
-                trace: str = "toolagent", levels: tuple[float, ...] = ERROR_LEVELS) -> dict:
+                trace: str = "toolagent", levels: tuple[float, ...] = ERROR_LEVELS,
+                jobs: int = 1) -> dict:
     """Goodput of every system in ``specs`` (name -> its chosen setting) as the truth's
     per-iteration noise grows and each estimate is refitted to profiles of it."""
-    base = load_workload(trace, num_requests, seed)
+    noisy = {(noise, name): dataclasses.replace(spec, noise=noise)
+             for noise in levels for name, spec in specs.items()}
+    found = _searches(list(noisy.values()), trace, num_requests, seed, jobs,
+                      "estimator error")
     first = next(iter(specs.values()))
     rows = []
-    for noise in tqdm(levels, desc="estimator error"):
+    for noise in levels:
         row: dict = {"noise": noise, "goodput_rps": {}, "estimate_mape_pct": {}}
-        for name, spec in specs.items():
-            noisy = dataclasses.replace(spec, noise=noise)
-            row["goodput_rps"][name] = _goodput(noisy, base, num_requests, seed)[0]
-            if noisy.mode != "disagg":
-                report = instance_report(noisy)["estimate"]
+        for name in specs:
+            spec = noisy[noise, name]
+            row["goodput_rps"][name] = found[spec][0]
+            if spec.mode != "disagg":
+                report = instance_report(spec)["estimate"]
                 row["estimate_mape_pct"][name] = report["test_mape_vs_truth_pct"]
         rows.append(row)
     return {"model": first.model, "gpus": first.gpus, "rows": rows}
@@ -329,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--error-table", action=argparse.BooleanOptionalAction, default=True,
                     help="goodput against truth noise 0/2.5/5/10%% (first --models entry, "
                          "full set; default on)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes for the goodput searches (default: one per core)")
     ap.add_argument("--json", type=Path, help="write every number (and the rate scans) here")
     ap.add_argument("--markdown", type=Path, help="write the two tables as markdown here")
     args = ap.parse_args(argv)
@@ -344,13 +380,14 @@ def main(argv: list[str] | None = None) -> int:
                table2_markdown(out["table2"]), ""]
     if args.part in ("fig12", "all"):
         out["fig12"], specs = fig12(args.num_requests, args.seed, args.models, args.sets,
-                                    trace=args.trace, sweep_baselines=not args.no_sweep)
+                                    trace=args.trace, sweep_baselines=not args.no_sweep,
+                                    jobs=args.jobs)
         md += [f"### Fig. 12: goodput on {args.trace}", "", fig12_markdown(out["fig12"]), ""]
         if args.error_table:
             model = args.models[0] if args.models else "qwen3-14b"
             set_name = "full" if "full" in specs[model] else next(iter(specs[model]))
             out["error_table"] = error_table(specs[model][set_name], args.num_requests,
-                                             args.seed, args.trace)
+                                             args.seed, args.trace, jobs=args.jobs)
             md += [f"### Goodput against estimator error: {model} x{FIG12_MODELS[model]}, "
                    f"{set_name} set", "",
                    "Each cell: goodput (req/s) and, in brackets, the held-out error of the "

@@ -38,7 +38,7 @@ def test_goodput_search_finds_threshold() -> None:
 def test_repro_cli_small_fig12(tmp_path, capsys) -> None:
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     assert main(["repro", "--models", "qwen3-14b", "--sets", "fcfs", "--num-requests", "60",
-                 "--no-sweep", "--no-error-table", "--json", str(out),
+                 "--no-sweep", "--no-error-table", "--jobs", "1", "--json", str(out),
                  "--markdown", str(md)]) == 0
     d = json.loads(out.read_text())
     (row,) = d["fig12"]["rows"]
