@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from conflux_jax.sampling import SamplingParams
+from conflux_jax.sampling import SamplingParams, StructuredOutputsParams
 from serving import formatting as fmt
+from serving import tools
 from serving.auth import ApiKeyMiddleware
 from serving.engine_loop import EngineLoop
 from serving.errors import APIError, error_body, install_error_handlers
@@ -28,6 +31,7 @@ from serving.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    RequestFieldError,
     to_sampling_params,
 )
 from serving.request_flow import serve
@@ -44,6 +48,13 @@ def create_app(loop: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="conflux_jax OpenAI-compatible server", lifespan=lifespan)
     tokenizer = loop.engine.tokenizer
+    if settings.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(settings.chat_template)
+    tool_parser = settings.tool_call_parser or tools.default_parser(
+        tokenizer.chat_template, tokenizer.supports_tools)
+    if tool_parser not in tools.TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {tool_parser!r}; choose from "
+                         f"{', '.join(tools.TOOL_PARSERS)}")
     state = ServerState(loop, settings, Metrics(settings.model_name), tokenizer,
                         fmt.TokenText(tokenizer))
     app.state.server = state
@@ -85,18 +96,45 @@ def create_app(loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
         try:
-            messages = [{"role": m.role, "content": m.text(),
-                         **({"name": m.name} if m.name else {})} for m in body.messages]
+            plan = tools.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                    tool_parser)
+        except RequestFieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        if plan is not None and plan.grammar is not None and body.structured() is not None:
+            raise APIError(400, "a forced tool call (tool_choice required or a named "
+                                "function) cannot also take an output constraint",
+                           param="tool_choice")
+        messages = _chat_messages(body)
+        template_kwargs: dict[str, Any] = {}
+        if plan is not None and plan.tools:
+            if tokenizer.supports_tools:
+                template_kwargs["tools"] = plan.tools
+            messages = tools.prompt_messages(messages, tool_parser, tokenizer.supports_tools,
+                                             plan.tools)
+        elif plan is not None:  # tool_choice none: earlier tool turns still need words
+            messages = tools.prompt_messages(messages, tool_parser, tokenizer.supports_tools,
+                                             None)
+        try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
+                messages, add_generation_prompt=body.add_generation_prompt, **template_kwargs)
         except ValueError as exc:  # TokenizerError is a ValueError
             raise APIError(400, f"could not apply the chat template: {exc}",
                            param="messages") from None
         # The template already places any BOS; encoding must not add another.
         ids = await _encode(tokenizer, text, add_special_tokens=False)
         sampling = _sampling(state, body)
-        form = fmt.ChatFormat(body.model, sampling.logprobs, state.token_text)
-        return await serve(state, request, body, ids, sampling, form)
+        if plan is not None and plan.grammar is not None:
+            sampling = dataclasses.replace(
+                sampling, structured_outputs=StructuredOutputsParams(grammar=plan.grammar))
+        form = fmt.ChatFormat(body.model, sampling.logprobs, state.token_text,
+                              tool_parser=plan.parser_factory() if plan else None)
+        try:
+            return await serve(state, request, body, ids, sampling, form)
+        except APIError as exc:
+            if plan is not None and plan.grammar is not None and \
+                    exc.param == "structured_outputs":  # the forced call's grammar
+                raise APIError(400, exc.message, param="tools") from None
+            raise
 
     return app
 
@@ -108,6 +146,35 @@ async def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool) -> lis
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return await asyncio.to_thread(tokenizer.encode, text,
                                    add_special_tokens=add_special_tokens)
+
+
+def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as the template sees it: text content, and earlier tool calls'
+    arguments as objects (what HF tool-aware templates expect, as vLLM passes them)."""
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        try:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        except ValueError as exc:
+            raise APIError(400, f"messages.{i}: {exc}", param="messages") from None
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except ValueError:
+                    raise APIError(400, f"messages.{i}.tool_calls: the arguments of "
+                                        f"{c.function.name!r} are not JSON",
+                                   param="messages") from None
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
+        messages.append(d)
+    return messages
 
 
 def _check_model(state: ServerState, model: str) -> None:

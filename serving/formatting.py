@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from serving.errors import ENGINE_FAILED, error_body
 from serving.protocol import new_id
+from serving.tools import ParserFactory, ToolCallParser
 
 if TYPE_CHECKING:
     from conflux_jax.engine import StepOutput
@@ -174,11 +175,23 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """``/v1/chat/completions``: an assistant message, or deltas after a role chunk."""
+    """``/v1/chat/completions``: an assistant message, or deltas after a role chunk.
+
+    With ``tool_parser`` (a request with tools), each choice's text goes through its own
+    parser: calls become ``message.tool_calls`` (streamed: ``delta.tool_calls`` events, the
+    call's name first, then its arguments as they are generated) and a choice that called
+    a tool and stopped says ``finish_reason: "tool_calls"``.
+    """
 
     id_prefix = "chatcmpl"
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText,
+                 tool_parser: ParserFactory | None = None) -> None:
+        super().__init__(model, n_logprobs, token_text)
+        self._tool_parser = tool_parser
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, while streaming
 
     def _logprobs(self, token_ids: list[int],
                   entries: list[dict[int, float]]) -> dict[str, Any] | None:
@@ -186,14 +199,50 @@ class ChatFormat(ResponseFormat):
             return None
         return {"content": chat_logprobs(token_ids, entries, self.n_logprobs, self.token_text)}
 
+    @staticmethod
+    def _finish(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
+
     def choice(self, index: int, text: str, token_ids: list[int],
                entries: list[dict[int, float]], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._tool_parser is not None:
+            content, calls = self._tool_parser().parse(text)
+            message = {"role": "assistant", "content": content or (None if calls else ""),
+                       "tool_calls": [c.message() for c in calls]}
+            finish_reason = self._finish(finish_reason, bool(calls))
+        return {"index": index, "message": message,
                 "logprobs": self._logprobs(token_ids, entries), "finish_reason": finish_reason}
 
     def _delta(self, out: StepOutput, index: int) -> dict[str, Any]:
         lp = self._logprobs(out.new_token_ids, out.logprobs) if out.logprobs else None
         return {"delta": {"content": out.text_delta}, "logprobs": lp}
+
+    def chunk(self, out: StepOutput, finish_reason: str | None, index: int = 0) -> bytes:
+        if self._tool_parser is None:
+            return super().chunk(out, finish_reason, index)
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._tool_parser()
+        delta = parser.feed(out.text_delta)
+        if out.finished:
+            delta += parser.finish()
+        lp = self._logprobs(out.new_token_ids, out.logprobs) if out.logprobs else None
+        # One event per piece, as OpenAI streams them: content, then each call delta.
+        pieces: list[dict[str, Any]] = []
+        if delta.content or lp is not None:
+            pieces.append({"content": delta.content})
+        pieces += [{"tool_calls": [tc]} for tc in delta.tool_calls]
+        if finish_reason is not None and not pieces:
+            pieces.append({})
+        events = []
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            events.append(sse({**self._head(self.chunk_object), "choices": [{
+                "index": index, "delta": piece, "logprobs": lp if i == 0 else None,
+                "finish_reason": self._finish(finish_reason, bool(parser.calls))
+                if last else None}]}))
+        return b"".join(events)
 
     def opening(self, index: int = 0) -> bytes:
         return sse({**self._head(self.chunk_object), "choices": [{
