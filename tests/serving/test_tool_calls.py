@@ -251,3 +251,47 @@ def test_templates_choose_how_tools_are_rendered() -> None:
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n21C\n</tool_response>"}
     rendered = plain.apply_chat_template(msgs)
     assert "<|im_start|>system\n# Tools" in rendered
+
+
+@pytest.mark.slow
+def test_default_model_tool_round_trip() -> None:
+    """SmolLM2-135M (its template knows no tools: the Hermes system prompt): a required
+    call validates, streams to the same call, and its result is accepted back."""
+    from conflux_jax.checkpoints import load_checkpoint
+    from conflux_jax.engine import Engine, EngineConfig
+    from conflux_jax.executor.buckets import BucketConfig
+    from conflux_jax.executor.jax_executor import ExecutorConfig
+    from serving_helpers import LiveServer
+
+    ckpt = load_checkpoint("default")
+    assert not ckpt.tokenizer.supports_tools
+    ec = ExecutorConfig(mesh="sp=1,tp=1", page_size=16, num_pages=96, max_model_len=768,
+                        buckets=BucketConfig(tokens=(64, 256), decode=(2,),
+                                             decode_pages=(48,), max_prefill_seqs=2))
+    engine = Engine(ckpt.config, ckpt.params, ckpt.tokenizer, EngineConfig(executor=ec))
+    server = LiveServer(engine, model_name="default")
+    try:
+        client = server.client(timeout=600)
+        kw: dict[str, Any] = dict(model="default", messages=ASK, tools=[WEATHER],
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  max_tokens=64, temperature=0.0)
+        done = client.chat.completions.create(**kw)
+        assert done.choices[0].finish_reason == "tool_calls"
+        call = done.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        _valid(call)
+        with client.chat.completions.stream(**kw) as stream:
+            for _ in stream:
+                pass
+            streamed = stream.get_final_completion().choices[0].message.tool_calls[0]
+        assert (streamed.function.name, streamed.function.arguments) == \
+            (call.function.name, call.function.arguments)
+        follow = client.chat.completions.create(
+            model="default", max_tokens=16, temperature=0.0, tools=[WEATHER], messages=[
+                *ASK, {"role": "assistant", "content": None,
+                       "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}])
+        assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert follow.usage.completion_tokens > 0
+    finally:
+        server.stop()
