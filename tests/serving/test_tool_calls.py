@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from serving_helpers import TOOL_TEMPLATE
 
 from serving.tools import ToolCallParser, default_parser, prompt_messages
 
@@ -36,15 +37,6 @@ ADD = {"type": "function", "function": {
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-# Tool names only, and earlier calls as Hermes blocks: small enough for 256 tokens.
-TOOL_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }} "
-    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}"
-    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -257,11 +249,12 @@ def test_templates_choose_how_tools_are_rendered() -> None:
 def test_default_model_tool_round_trip() -> None:
     """SmolLM2-135M (its template knows no tools: the Hermes system prompt): a required
     call validates, streams to the same call, and its result is accepted back."""
+    from serving_helpers import LiveServer
+
     from conflux_jax.checkpoints import load_checkpoint
     from conflux_jax.engine import Engine, EngineConfig
     from conflux_jax.executor.buckets import BucketConfig
     from conflux_jax.executor.jax_executor import ExecutorConfig
-    from serving_helpers import LiveServer
 
     ckpt = load_checkpoint("default")
     assert not ckpt.tokenizer.supports_tools
