@@ -355,3 +355,39 @@ def test_streamed_echo_and_min_tokens(server: Any) -> None:
                                           "ignore_eos": True}).json()
     assert events[0]["choices"][0]["text"] == "Once"
     assert text == whole["choices"][0]["text"]
+
+
+# ------------------------------------------------------------- vLLM's small endpoints
+def test_tokenize_detokenize_version(server: Any) -> None:
+    tok = server.engine.tokenizer
+    r = httpx.post(server.url + "/tokenize", timeout=30, json={
+        "model": "tiny", "prompt": "Once upon a time", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tok.encode("Once upon a time", add_special_tokens=True)
+    assert body["tokens"] == ids and body["count"] == len(ids)
+    assert body["max_model_len"] == server.engine.max_model_len
+    assert "".join(body["token_strs"]) == tok.decode(ids, skip_special_tokens=False)
+    # Messages tokenize to the very prompt the chat route runs.
+    chat = _greedy(server, "chat/completions", max_tokens=2)
+    r = httpx.post(server.url + "/tokenize", timeout=30, json={"messages": MSG})
+    assert r.json()["tokens"] == chat["prompt_token_ids"]
+    assert r.json()["token_strs"] is None
+    r = httpx.post(server.url + "/detokenize", timeout=30, json={"tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+    r = httpx.get(server.url + "/version", timeout=30)
+    assert r.status_code == 200 and isinstance(r.json()["version"], str)
+
+
+@pytest.mark.parametrize("route,body,status,param", [
+    ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"prompt": "x", "frob": 1}, 400, None),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+])
+def test_small_endpoint_errors(server: Any, route: str, body: dict, status: int,
+                               param: str | None) -> None:
+    r = httpx.post(server.url + route, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
