@@ -54,6 +54,14 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise GrammarError(f"the structured output constraint is invalid: {exc}") from None
 
 
+def validate(params: StructuredOutputsParams) -> None:
+    """Raise :class:`GrammarError` if ``params`` does not compile (no tokenizer needed:
+    the checks a request can fail before it reaches the engine)."""
+    message = llguidance.LLMatcher.validate_grammar(grammar_text(params), None)
+    if message:
+        raise GrammarError(f"the structured output constraint is invalid: {message}")
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and a model vocabulary of ``vocab_size``.
 

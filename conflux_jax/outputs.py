@@ -48,7 +48,8 @@ class OutputTracker:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self._decoder = IncrementalDecoder(tokenizer)
+        self._decoder = IncrementalDecoder(tokenizer,
+                                           skip_special_tokens=params.skip_special_tokens)
         self._text = ""
         self._emitted = 0  # chars of _text already handed out as deltas
         self._stop_ids = set(params.stop_token_ids or ())
@@ -79,11 +80,15 @@ class OutputTracker:
             if logprob is not None:
                 entry[token_id] = logprob
             self.logprobs.append(entry)
-        if token_id in self._stop_ids:
+        # Below min_tokens nothing stops the request but its length (vLLM's rule; the
+        # stop tokens are masked out on the device meanwhile).
+        may_stop = len(self.token_ids) > self.params.min_tokens
+        if token_id in self._stop_ids and may_stop:
             self.finish_reason, self.stop_reason = "stop", token_id
         else:
             self._text += self._decoder.push(token_id)
-            self._check_stop_strings()
+            if may_stop:
+                self._check_stop_strings()
         if not self.finished and len(self.token_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
         if self.finished and not isinstance(self.stop_reason, str):

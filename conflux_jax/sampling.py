@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_TOP_LOGPROBS = 20
 
@@ -87,6 +88,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name
+    # EOS and stop_token_ids cannot be sampled (and stop strings do not match) before
+    # this many output tokens (vLLM's).
+    min_tokens: int = 0
+    # OpenAI's logit_bias, as a mask: -100 bans a token, +100 restricts sampling to the
+    # +100 tokens; other values are refused (an additive bias is not implemented).
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None  # vLLM's: sample only these
+    skip_special_tokens: bool = True  # in the output text
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -107,6 +116,20 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got "
                              f"{self.repetition_penalty}")
+        if self.min_tokens < 0 or (self.max_tokens is not None
+                                   and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logit_bias:
+            odd = [v for v in self.logit_bias.values() if v not in (-100, 100)]
+            if odd:
+                raise ValueError("logit_bias values other than -100 (ban) and 100 "
+                                 f"(only these tokens) are not supported, got {odd[0]}")
+            object.__setattr__(self, "logit_bias",
+                               {int(k): float(v) for k, v in self.logit_bias.items()})
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise ValueError("give structured_outputs or guided_decoding, not both")
@@ -123,10 +146,37 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(s for s in (self.stop or ()) if s)
 
+    def token_mask(self, vocab: int) -> np.ndarray | None:
+        """The packed bitmask (i32[mask_words(vocab)]) that ``allowed_token_ids`` and
+        ``logit_bias`` leave, or None when they restrict nothing."""
+        if self.allowed_token_ids is None and not self.logit_bias:
+            return None
+        bits = np.ones(vocab, bool)
+        if self.allowed_token_ids is not None:
+            bits[:] = False
+            bits[list(self.allowed_token_ids)] = True
+        bias = self.logit_bias or {}
+        only = [t for t, v in bias.items() if v > 0]
+        if only:
+            keep = np.zeros(vocab, bool)
+            keep[only] = True
+            bits &= keep
+        bits[[t for t, v in bias.items() if v < 0]] = False
+        if not bits.any():
+            raise ValueError("allowed_token_ids and logit_bias leave no token to sample")
+        return pack_mask(bits)
+
 
 def mask_words(vocab: int) -> int:
     """Words of a packed allowed-token bitmask: bit ``v % 32`` of word ``v // 32``."""
     return -(-vocab // 32)
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """bool[V] -> the packed i32[mask_words(V)] bitmask the sampler applies."""
+    padded = np.zeros(mask_words(allowed.size) * 32, bool)
+    padded[:allowed.size] = allowed
+    return np.packbits(padded, bitorder="little").view(np.int32).copy()
 
 
 @jax.tree_util.register_dataclass

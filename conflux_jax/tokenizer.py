@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.decoders import DecodeStream
@@ -79,6 +80,11 @@ class Tokenizer:
         """The checkpoint's template, or ChatML when it has none."""
         return self._chat_template or CHATML_TEMPLATE
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with another chat template (a server's ``--chat-template``)."""
+        return Tokenizer(self.backend, bos_token_id=self.bos_token_id,
+                         eos_token_ids=self.eos_token_ids, chat_template=template)
+
     @property
     def has_own_chat_template(self) -> bool:
         return self._chat_template is not None
@@ -114,6 +120,15 @@ class Tokenizer:
             return _jinja_env().from_string(self.chat_template)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template does not compile: {e}") from None
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """The template renders a ``tools`` list (as HF's tool-aware templates do)."""
+        try:
+            ast = _jinja_env().parse(self.chat_template)
+        except jinja2.TemplateError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
     def apply_chat_template(
         self,

@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-seqs", type=int, default=buckets.max_prefill_seqs)
     p.add_argument("--max-logprobs", type=int, default=5,
                    help="top alternatives computed per token (0-20)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are written and parsed (vLLM's names; default: by "
+                        "the model's chat template: llama3_json for Llama 3.x, else hermes)")
+    p.add_argument("--chat-template", default=None,
+                   help="a jinja chat template (file or text) to use instead of the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--compile-cache", default=None,
@@ -90,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _template(spec: str | None) -> str | None:
+    """vLLM's --chat-template: a path to a template file, or the template itself."""
+    if spec is not None and os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            return f.read()
+    return spec
 
 
 def _wants_gpu() -> bool:
@@ -147,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(model_name=name, max_model_len=engine.max_model_len,
                               api_key=args.api_key, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes,
-                              max_logprobs=args.max_logprobs)
+                              max_logprobs=args.max_logprobs,
+                              tool_call_parser=args.tool_call_parser,
+                              chat_template=_template(args.chat_template))
     app = create_app(loop, settings)
 
     def ready() -> None:

@@ -58,7 +58,17 @@ def _describe(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if param is None and loc:
             param = loc[0]
         msg = e.get("msg", "invalid value")
-        if e.get("type") == "json_invalid":
+        cause = e.get("ctx", {}).get("error")
+        if isinstance(cause, ValueError) and isinstance(getattr(cause, "param", None), str):
+            # A RequestFieldError from a cross-field check names its own field.
+            if param is None:
+                param = cause.param
+            parts.append(str(cause))
+            continue
+        msg = msg.removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"unknown field '{where}': this server does not implement it")
+        elif e.get("type") == "json_invalid":
             detail = e.get("ctx", {}).get("error", msg)
             parts.append(f"the request body is not valid JSON ({detail})")
         elif e.get("type") == "missing" and not where:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from serving.errors import ENGINE_FAILED, error_body
 from serving.protocol import new_id
+from serving.tools import ParserFactory, ToolCallParser
 
 if TYPE_CHECKING:
     from conflux_jax.engine import StepOutput
@@ -105,13 +106,23 @@ class ResponseFormat:
         self.token_text = token_text
         self.id = new_id(self.id_prefix)
         self.created = now_s()
+        # vLLM's return_token_ids: the prompt's ids in the body, each choice's (or chunk's).
+        self.prompt_token_ids: list[int] | None = None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         """The non-streaming body of ``choices`` (from :meth:`choice`)."""
-        return {**self._head(self.body_object), "choices": choices, "usage": usage}
+        body = {**self._head(self.body_object), "choices": choices, "usage": usage}
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids
+        return body
+
+    def with_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        if self.prompt_token_ids is not None:
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def choice(self, index: int, text: str, token_ids: list[int],
                entries: list[dict[int, float]], finish_reason: str | None) -> dict[str, Any]:
@@ -124,8 +135,9 @@ class ResponseFormat:
         return None
 
     def chunk(self, out: StepOutput, finish_reason: str | None, index: int = 0) -> bytes:
-        return sse({**self._head(self.chunk_object), "choices": [{
-            "index": index, **self._delta(out, index), "finish_reason": finish_reason}]})
+        return sse({**self._head(self.chunk_object), "choices": [self.with_ids({
+            "index": index, **self._delta(out, index), "finish_reason": finish_reason},
+            out.new_token_ids)]})
 
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
         return sse({**self._head(self.chunk_object), "choices": [], "usage": usage})
@@ -150,8 +162,10 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
     body_object = chunk_object = "text_completion"
 
-    def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText) -> None:
+    def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText,
+                 echo: str | None = None) -> None:
         super().__init__(model, n_logprobs, token_text)
+        self.echo = echo  # the prompt text every choice starts with (echo=true)
         # Per choice: text offset of its next chunk (legacy logprobs' text_offset).
         self._offset: dict[int, int] = {}
 
@@ -160,8 +174,14 @@ class CompletionFormat(ResponseFormat):
         n = self.n_logprobs
         lp = None if n is None else completion_logprobs(token_ids, entries, n,
                                                         self.token_text, 0)
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
-                "stop_reason": None}
+        return self.with_ids({"index": index, "text": (self.echo or "") + text, "logprobs": lp,
+                              "finish_reason": finish_reason, "stop_reason": None}, token_ids)
+
+    def opening(self, index: int = 0) -> bytes | None:
+        if self.echo is None:
+            return None
+        return sse({**self._head(self.chunk_object), "choices": [{
+            "index": index, "text": self.echo, "logprobs": None, "finish_reason": None}]})
 
     def _delta(self, out: StepOutput, index: int) -> dict[str, Any]:
         lp = None
@@ -174,11 +194,23 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """``/v1/chat/completions``: an assistant message, or deltas after a role chunk."""
+    """``/v1/chat/completions``: an assistant message, or deltas after a role chunk.
+
+    With ``tool_parser`` (a request with tools), each choice's text goes through its own
+    parser: calls become ``message.tool_calls`` (streamed: ``delta.tool_calls`` events, the
+    call's name first, then its arguments as they are generated) and a choice that called
+    a tool and stopped says ``finish_reason: "tool_calls"``.
+    """
 
     id_prefix = "chatcmpl"
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, n_logprobs: int | None, token_text: TokenText,
+                 tool_parser: ParserFactory | None = None) -> None:
+        super().__init__(model, n_logprobs, token_text)
+        self._tool_parser = tool_parser
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, while streaming
 
     def _logprobs(self, token_ids: list[int],
                   entries: list[dict[int, float]]) -> dict[str, Any] | None:
@@ -186,14 +218,51 @@ class ChatFormat(ResponseFormat):
             return None
         return {"content": chat_logprobs(token_ids, entries, self.n_logprobs, self.token_text)}
 
+    @staticmethod
+    def _finish(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
+
     def choice(self, index: int, text: str, token_ids: list[int],
                entries: list[dict[int, float]], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(token_ids, entries), "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._tool_parser is not None:
+            content, calls = self._tool_parser().parse(text)
+            message = {"role": "assistant", "content": content or (None if calls else ""),
+                       "tool_calls": [c.message() for c in calls]}
+            finish_reason = self._finish(finish_reason, bool(calls))
+        return self.with_ids({"index": index, "message": message,
+                              "logprobs": self._logprobs(token_ids, entries),
+                              "finish_reason": finish_reason}, token_ids)
 
     def _delta(self, out: StepOutput, index: int) -> dict[str, Any]:
         lp = self._logprobs(out.new_token_ids, out.logprobs) if out.logprobs else None
         return {"delta": {"content": out.text_delta}, "logprobs": lp}
+
+    def chunk(self, out: StepOutput, finish_reason: str | None, index: int = 0) -> bytes:
+        if self._tool_parser is None:
+            return super().chunk(out, finish_reason, index)
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._tool_parser()
+        delta = parser.feed(out.text_delta)
+        if out.finished:
+            delta += parser.finish()
+        lp = self._logprobs(out.new_token_ids, out.logprobs) if out.logprobs else None
+        # One event per piece, as OpenAI streams them: content, then each call delta.
+        pieces: list[dict[str, Any]] = []
+        if delta.content or lp is not None:
+            pieces.append({"content": delta.content})
+        pieces += [{"tool_calls": [tc]} for tc in delta.tool_calls]
+        if finish_reason is not None and not pieces:
+            pieces.append({})
+        events = []
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            events.append(sse({**self._head(self.chunk_object), "choices": [self.with_ids({
+                "index": index, "delta": piece, "logprobs": lp if i == 0 else None,
+                "finish_reason": self._finish(finish_reason, bool(parser.calls))
+                if last else None}, out.new_token_ids if i == 0 else [])]}))
+        return b"".join(events)
 
     def opening(self, index: int = 0) -> bytes:
         return sse({**self._head(self.chunk_object), "choices": [{

@@ -3,7 +3,11 @@
 Requests are validated strictly enough that nothing a client sends can reach the engine
 in a shape it rejects with an exception we did not anticipate: every bound the engine or
 ``SamplingParams`` enforces is mirrored here, so bad input is a 400, never a 500.
-Unknown fields are ignored (as OpenAI and vLLM do), so newer clients keep working.
+
+Nothing is silently ignored: every field of OpenAI's and vLLM's request schemas either has
+its effect, is a documented no-op (``NO_OP_FIELDS``), or is declared ``_refused``: its
+neutral value is accepted and any other is a 400 naming it. An unknown field is a 400
+naming it too (README, "Request fields").
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -22,6 +34,22 @@ MAX_STOP_LEN = 256
 # A seed is folded into 32 bits by the engine; bounding it keeps the JSON schema finite.
 SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# Accepted and without effect here (README, "Request fields"): identifiers and hints that
+# only mean something to OpenAI's own platform.
+NO_OP_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
+                "store", "priority", "guided_decoding_backend")
+
+
+def _refused(reason: str, *neutral: Any) -> Any:
+    """A field this server does not implement: absent, null or one of ``neutral`` (the
+    value that asks for nothing) is accepted; anything else is a 400 naming it."""
+
+    def check(value: Any) -> Any:
+        if value is None or any(value == n and type(value) is type(n) for n in neutral):
+            return value
+        raise ValueError(f"not supported: {reason}")
+
+    return Annotated[Any, AfterValidator(check)]
 
 
 def _ill_formed(value: Any, path: str) -> str | None:
@@ -105,7 +133,7 @@ class StructuredOutputsRequest(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat (OpenAI names plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
@@ -132,7 +160,42 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # vLLM's sampling extras that have their effect.
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    # OpenAI's logit_bias as a mask: -100 bans, 100 restricts to those tokens.
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1,
+                                                    max_length=1 << 17)
+    skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    request_id: str | None = Field(default=None, max_length=128,
+                                   pattern=r"^[A-Za-z0-9._:-]+$")
+    # Documented no-ops (NO_OP_FIELDS).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching here needs no key
+    service_tier: _refused("this server has one service tier", "auto", "default") = None
+    store: _refused("this server stores no completions", False) = None
+    priority: _refused("requests are ordered by their SLOs, not a priority", 0) = None
+    guided_decoding_backend: _refused("the grammar engine is llguidance", "auto",
+                                      "guidance", "llguidance") = None
+    # Refused unless neutral: what a client asks for here would not happen.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    use_beam_search: _refused("beam search", False) = None
+    length_penalty: _refused("length_penalty needs beam search", 1, 1.0) = None
+    min_p: _refused("min_p sampling", 0, 0.0) = None
+    spaces_between_special_tokens: _refused(
+        "special tokens are always decoded without added spaces", True) = None
+    prompt_logprobs: _refused("prompt logprobs are not computed") = None
+    bad_words: _refused("bad_words (ban token ids with logit_bias -100)", []) = None
+    logits_processors: _refused("custom logits processors") = None
+    return_tokens_as_token_ids: _refused("tokens are returned as text", False) = None
+    return_token_ids: StrictBool = False  # the prompt's and each choice's token ids
+    cache_salt: _refused("per-request prefix-cache salts") = None
+    kv_transfer_params: _refused("external KV transfer") = None
+    vllm_xargs: _refused("vllm_xargs") = None
+    guided_whitespace_pattern: _refused("JSON is always generated compact") = None
     # Per-request SLO extension (milliseconds), honoured by the scheduler.
     ttft_slo_ms: float | None = Field(default=None, gt=0.0, le=1e9, allow_inf_nan=False)
     tbt_slo_ms: float | None = Field(default=None, gt=0.0, le=1e9, allow_inf_nan=False)
@@ -145,6 +208,27 @@ class _SamplingFields(BaseModel):
         if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.isdigit() or int(key) > 2**31 - 1:
+                raise ValueError(f"keys are token ids, got {key!r}")
+            if value not in (-100, 100):
+                raise ValueError(f"only -100 (ban the token) and 100 (sample only such "
+                                 f"tokens) are supported, got {value} for token {key}: an "
+                                 "additive bias is not implemented")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise RequestFieldError("stream_options needs stream=true", "stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestFieldError("best_of other than n is not supported (choices are "
+                                    "not ranked)", "best_of")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -215,8 +299,9 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt's text leads the output
     suffix: str | None = None
+    add_special_tokens: StrictBool = True  # e.g. a BOS before a text prompt
 
     default_max_tokens: ClassVar[int | None] = 16
 
@@ -236,12 +321,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported")
-        return v
+    @model_validator(mode="after")
+    def _echo_alone(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise RequestFieldError("echo with logprobs needs the prompt's logprobs, which "
+                                    "this server does not compute", "echo")
+        return self
 
     @field_validator("suffix")
     @classmethod
@@ -251,17 +336,77 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``: only function tools exist here (OpenAI's ``custom`` tools
+    take free text, which no served model was trained to call)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    refusal: str | None = None  # an assistant turn's refusal, rendered as its text
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         """Content as plain text: OpenAI's list-of-parts form keeps only text parts."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -280,6 +425,47 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     add_generation_prompt: StrictBool = True
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat extras.
+    continue_final_message: StrictBool = False  # extend the last (assistant) message
+    add_special_tokens: StrictBool = False  # the template places BOS itself
+    documents: list[dict[str, str]] | None = None  # for templates that read them (RAG)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    chat_template: _refused("per-request chat templates (start the server with "
+                            "--chat-template)") = None
+    mm_processor_kwargs: _refused("multimodal inputs") = None
+    echo: _refused("echo on chat", False) = None
+    # OpenAI fields for what this server does not do.
+    audio: _refused("audio output") = None
+    modalities: _refused("output modalities other than text", ["text"]) = None
+    functions: _refused("the deprecated functions (use tools)") = None
+    function_call: _refused("the deprecated function_call (use tool_choice)") = None
+    prediction: _refused("predicted outputs") = None
+    reasoning_effort: _refused("reasoning effort (no served model reasons on request)") = None
+    verbosity: _refused("verbosity") = None
+    web_search_options: _refused("web search") = None
+    moderation: _refused("moderation") = None
+    prompt_cache_options: _refused("prompt cache options") = None
+    prompt_cache_retention: _refused("prompt cache retention") = None
+
+    @model_validator(mode="after")
+    def _chat_consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestFieldError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestFieldError("continue_final_message needs add_generation_prompt="
+                                    "false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestFieldError("continue_final_message continues an assistant message: "
+                                    "the last message must be one", "continue_final_message")
+        reserved = {"messages", "tools", "add_generation_prompt", "documents"}
+        if self.chat_template_kwargs and reserved & set(self.chat_template_kwargs):
+            raise RequestFieldError(f"chat_template_kwargs may not set "
+                                    f"{sorted(reserved & set(self.chat_template_kwargs))}",
+                                    "chat_template_kwargs")
+        return self
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -292,6 +478,40 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with a text prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with messages: the prompt the chat route would build."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
 def to_sampling_params(req: GenerationRequest) -> SamplingParams:
@@ -310,7 +530,9 @@ def to_sampling_params(req: GenerationRequest) -> SamplingParams:
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        structured_outputs=structured)
+        structured_outputs=structured, min_tokens=req.min_tokens,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens)
 
 
 # ---------------------------------------------------------------------------- responses

@@ -22,6 +22,8 @@ class ServerSettings:
     max_logprobs: int = 0  # top alternatives the executor computes (its num_top_logprobs)
     retry_after_s: int = 1
     stop_loop_on_shutdown: bool = True  # the app owns the loop (CLI); tests share one
+    tool_call_parser: str | None = None  # None: by the model's chat template
+    chat_template: str | None = None  # replaces the model's own (vLLM's --chat-template)
 
 
 @dataclasses.dataclass

@@ -121,6 +121,10 @@ class Engine:
         self._live: dict[int, _Live] = {}
         self._grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
         self._matchers: dict[int, Matcher] = {}  # live grammar-constrained requests
+        # Live requests with a fixed mask (logit_bias, allowed_token_ids), and those whose
+        # stop tokens are masked until min_tokens: (min_tokens, stop token ids).
+        self._fixed_masks: dict[int, np.ndarray] = {}
+        self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         self._failed_now: list[StepOutput] = []  # failed while preparing this step's plan
         self._next_id = 0
         self._rng = random.Random()
@@ -166,6 +170,14 @@ class Engine:
         spec = SamplingSpec(sampling.temperature, sampling.top_k, sampling.top_p, seed % 2**32,
                             sampling.presence_penalty, sampling.frequency_penalty,
                             sampling.repetition_penalty)
+        for name, token_ids in (("logit_bias", list(sampling.logit_bias or ())),
+                                ("allowed_token_ids", list(sampling.allowed_token_ids or ()))):
+            if any(not 0 <= t < vocab for t in token_ids):
+                raise EngineError(f"{name} token ids must be in [0, {vocab})", name)
+        try:
+            fixed_mask = sampling.token_mask(vocab)
+        except ValueError as exc:
+            raise EngineError(str(exc), "logit_bias") from None
         matcher = None
         if sampling.structured_outputs is not None:
             try:
@@ -182,6 +194,13 @@ class Engine:
                                 now)
         if matcher is not None:
             self._matchers[rid] = matcher
+        if fixed_mask is not None:
+            self._fixed_masks[rid] = fixed_mask
+        if sampling.min_tokens > 0:
+            stops = set(sampling.stop_token_ids or ())
+            if not sampling.ignore_eos:
+                stops |= set(self.tokenizer.eos_token_ids)
+            self._min_tokens[rid] = (sampling.min_tokens, sorted(stops))
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -193,6 +212,8 @@ class Engine:
 
     def _forget(self, request_id: int) -> _Live | None:
         self._matchers.pop(request_id, None)
+        self._fixed_masks.pop(request_id, None)
+        self._min_tokens.pop(request_id, None)
         return self._live.pop(request_id, None)
 
     @property
@@ -236,7 +257,8 @@ class Engine:
                     self.scheduler.finish(rid)
 
         try:
-            self.core.step(observe, self._prepare if self._matchers else None)
+            masked = self._matchers or self._fixed_masks or self._min_tokens
+            self.core.step(observe, self._prepare if masked else None)
         except StepFailed as failed:  # a failing step fails its requests, not the engine
             log.error("step failed; failing its %d requests", len(failed.plan.request_ids),
                       exc_info=failed.__cause__)
@@ -249,31 +271,58 @@ class Engine:
         return outputs
 
     def _prepare(self, plan: IterationPlan) -> IterationPlan:
-        """The grammar masks of the plan's constrained rows, from their committed tokens.
+        """The token masks of the plan's masked rows: grammar masks from committed tokens,
+        and'ed with each request's fixed mask and, below min_tokens, its stop tokens off.
 
         Each matcher first follows its request's output ids as the scheduler holds them
         (rolling back anything the request no longer holds), so a recompute after
         preemption, which replays those ids, samples under the right state.
         """
-        matchers = self._matchers
-        rows = [p.request_id for p in plan.prefill if p.completes and p.request_id in matchers]
-        rows += [d.request_id for d in plan.decode if d.request_id in matchers]
+        matchers, fixed, min_tokens = self._matchers, self._fixed_masks, self._min_tokens
+        rows = [p.request_id for p in plan.prefill if p.completes]
+        rows += [d.request_id for d in plan.decode]
+        rows = [r for r in rows if r in matchers or r in fixed or r in min_tokens]
         if not rows:
             return plan
-        live_rows: list[int] = []
+        grammar_rows: list[int] = []
+        outputs: dict[int, int] = {}
         for rid in rows:
             st = self.scheduler.state(rid)
-            m = matchers[rid]
             if st is None:
                 continue
+            outputs[rid] = len(st.output_ids)
+            m = matchers.get(rid)
+            if m is None:
+                continue
             if m.sync(st.output_ids):
-                live_rows.append(rid)
+                grammar_rows.append(rid)
             else:  # cannot happen with masked sampling; fail the request, not the step
                 log.error("request %d: grammar rejected its own tokens: %s", rid, m.error)
                 self._failed_now += self._fail([rid])
-        masks = np.empty((len(live_rows), self._grammars.words), np.int32)
-        self._grammars.fill_masks([matchers[r] for r in live_rows], masks)
-        return dataclasses.replace(plan, token_masks=dict(zip(live_rows, masks, strict=True)))
+                del outputs[rid]
+        words = self._grammars.words
+        grammar = np.empty((len(grammar_rows), words), np.int32)
+        if grammar_rows:
+            self._grammars.fill_masks([matchers[r] for r in grammar_rows], grammar)
+        masks = dict(zip(grammar_rows, grammar, strict=True))
+        for rid, produced in outputs.items():
+            floor = min_tokens.get(rid)
+            if floor is not None and produced >= floor[0]:  # outputs only grow
+                del min_tokens[rid]
+                floor = None
+            mask = masks.get(rid)
+            if mask is None and rid not in fixed and floor is None:
+                continue
+            if mask is None:
+                mask = np.full(words, -1, np.int32)
+            if rid in fixed:
+                mask = mask & fixed[rid]
+            if floor is not None and floor[1]:
+                ids = np.asarray(floor[1])
+                mask = mask.copy()
+                np.bitwise_and.at(mask, ids // 32, ~(np.int32(1) << (ids % 32).astype(np.int32)))
+            masks[rid] = mask
+        return dataclasses.replace(plan, token_masks=masks)
 
     def _fail(self, ids: list[int]) -> list[StepOutput]:
         now = time.perf_counter()

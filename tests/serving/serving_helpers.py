@@ -13,6 +13,14 @@ from typing import Any
 TINY_BUCKETS = dict(tokens=(16, 64), decode=(8,), decode_pages=(32,), max_prefill_seqs=4)
 MAX_MODEL_LEN = 256
 MAX_LOGPROBS = 5
+# A compact tool-aware chat template (tool names only, earlier calls as Hermes blocks): the
+# Hermes system prompt would overflow the tiny model's 256-token context.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }} "
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tiny_engine(checkpoint: Path, **engine_kwargs: Any) -> Any:

@@ -43,8 +43,6 @@ def test_chat_max_completion_tokens_wins_and_max_tokens_stays_as_sent():
      None),
     (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                            logprobs=True), None, 0),
-    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
-                           top_logprobs=3), None, None),  # top_logprobs needs logprobs
 ])
 def test_defaults(req, max_tokens, logprobs):
     sp = _unchanged_after_mapping(req)
