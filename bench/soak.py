@@ -34,7 +34,7 @@ import httpx
 MALFORMED = [  # (body bytes, what it exercises); each must be answered with a 4xx
     (b'{"model": "MODEL", "prompt": ', "truncated JSON"),
     (b'{"model": "MODEL", "prompt": "hi", "temperature": -3}', "bad temperature"),
-    (b'{"model": "MODEL", "prompt": "hi", "n": 3}', "n != 1"),
+    (b'{"model": "MODEL", "prompt": "hi", "n": 17}', "n > 16"),
     (b'{"model": "no-such-model", "prompt": "hi"}', "unknown model"),
     (b'{"model": "MODEL", "messages": "not a list"}', "bad messages"),
     (b'{"model": "MODEL", "prompt": LONG}', "prompt over the context"),

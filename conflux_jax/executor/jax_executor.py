@@ -97,8 +97,13 @@ class JaxExecutor:
         # Device-resident mask / history padding per row count R: a step with no
         # constrained or penalized row sends these instead of fresh host buffers.
         self._idle_rows: dict[int, tuple[jax.Array, jax.Array]] = {}
+        buckets = ec.buckets
+        if n == 1:
+            # One rank: a completing prefill's KV only moves between this rank's own pages,
+            # never over a link, so one transfer bucket spares the extra compiles.
+            buckets = dataclasses.replace(buckets, transfer=(buckets.transfer[-1],))
         self.planner = ShapePlanner(
-            ec.buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
+            buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
             transfer_groups=prefill_pages_per_seq)
         self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s),
                                        StepBatch.specs())
