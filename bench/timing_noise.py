@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ex = build_executor("default", args.mesh, max_context=768)
     rng = np.random.default_rng(args.seed)
     bm = BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size)
-    space = ProfileSpace(768, 128, 8, ex.exec_config.buckets.max_tokens,
+    space = ProfileSpace(768, 128, 8, ex.buckets.max_tokens,
                          ex.model_config.vocab_size)
     rows = []
     for i in range(args.batches):

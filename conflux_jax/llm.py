@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from conflux_jax.engine import Engine, EngineConfig
+from conflux_jax.executor.device import default_platform, resolve_dtype
 from conflux_jax.executor.jax_executor import ExecutorConfig
 from conflux_jax.outputs import RequestOutput
 from conflux_jax.sampling import SamplingParams
@@ -26,14 +28,21 @@ class LLM:
     ``llm.engine.executor.warmup()`` to compile them all up front. ``checkpoint_dir`` is
     where the default model's converted checkpoint is kept (see
     ``conflux_jax.checkpoints.default_model.resolve_store`` for the default).
+    ``dtype="auto"`` runs bfloat16 on a GPU/TPU and float32 on CPU (either is accepted
+    anywhere); ``gpu_memory_utilization`` sizes the KV pool from device memory as vLLM's
+    flag does (the default on a GPU/TPU is 0.9).
     """
 
     def __init__(self, model: str = "default", *, mesh: str | None = None,
-                 dtype: str = "float32", max_model_len: int | None = None,
+                 dtype: str = "auto", max_model_len: int | None = None,
                  policy: str = "conflux", engine_config: EngineConfig | None = None,
-                 checkpoint_dir: str | Path | None = None):
+                 checkpoint_dir: str | Path | None = None,
+                 gpu_memory_utilization: float | None = None):
         from conflux_jax.checkpoints import load_checkpoint
 
+        if engine_config is not None and engine_config.executor.dtype != "auto":
+            dtype = engine_config.executor.dtype  # the weights load as the engine runs
+        dtype = resolve_dtype(dtype, default_platform())
         ckpt = load_checkpoint(model, dtype=dtype, checkpoint_dir=checkpoint_dir)
         self.model_name = model
         self.config = ckpt.config
@@ -41,8 +50,12 @@ class LLM:
         if engine_config is None:
             max_len = min(max_model_len or 2048, self.config.max_position_embeddings)
             engine_config = EngineConfig(
-                executor=ExecutorConfig(mesh=mesh, dtype=dtype, max_model_len=max_len),
+                executor=ExecutorConfig(mesh=mesh, dtype=dtype, max_model_len=max_len,
+                                        gpu_memory_utilization=gpu_memory_utilization),
                 policy=policy, profile=model)
+        elif engine_config.executor.dtype == "auto":
+            engine_config = dataclasses.replace(engine_config, executor=dataclasses.replace(
+                engine_config.executor, dtype=dtype))
         self.engine = Engine(ckpt.config, ckpt.params, ckpt.tokenizer, engine_config)
         self.max_model_len = self.engine.max_model_len
 

@@ -39,6 +39,17 @@ def _positive(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="conflux-serve", description="OpenAI-compatible server on the Conflux engine.")
@@ -70,16 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["conflux", "fcfs", "srpt", "chunked", "isolated"])
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=256, help="KV pages per rank")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages per rank (default: what --gpu-memory-utilization leaves "
+                        "on a GPU/TPU; 256 on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help="share of each device's memory for weights, the largest step's "
+                        "temporaries and the KV cache, as in vLLM (default 0.9 on a "
+                        "GPU/TPU; on CPU, given, it sizes the pool from host memory)")
     from conflux_jax.executor.buckets import BucketConfig  # stdlib-only module
 
-    buckets = BucketConfig()  # the engine's defaults: what the benchmarks measure
-    p.add_argument("--token-buckets", type=_ints, default=buckets.tokens,
-                   help="token-buffer buckets per rank (each is compiled at warm-up)")
-    p.add_argument("--decode-buckets", type=_ints, default=buckets.decode)
-    p.add_argument("--decode-page-buckets", type=_ints, default=buckets.decode_pages,
+    cpu = BucketConfig()  # the CPU defaults; accelerators get larger ones (device.py)
+    p.add_argument("--token-buckets", type=_ints, default=None,
+                   help="token-buffer buckets per rank, each compiled at warm-up (default: "
+                        f"{_csv(cpu.tokens)} on CPU, up to 2048 on a GPU/TPU)")
+    p.add_argument("--decode-buckets", type=_ints, default=None,
+                   help=f"decode slots per rank (default: {_csv(cpu.decode)} on CPU, up to "
+                        "256 on a GPU/TPU)")
+    p.add_argument("--decode-page-buckets", type=_ints, default=None,
                    help="decode page-table widths (default: the max model length's)")
-    p.add_argument("--max-prefill-seqs", type=int, default=buckets.max_prefill_seqs)
+    p.add_argument("--max-prefill-seqs", type=int, default=None,
+                   help=f"prefill chunks per step (default: {cpu.max_prefill_seqs} on CPU, "
+                        "16 on a GPU/TPU)")
     p.add_argument("--max-logprobs", type=int, default=5,
                    help="top alternatives computed per token (0-20)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
@@ -89,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a jinja chat template (file or text) to use instead of the model's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights, KV and activations (sums in float32 either way); auto = "
+                        "bfloat16 on a GPU/TPU, float32 on CPU")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="fit the scheduler's latency model anew at warm-up, even if one "
+                        "was saved for this model, device and mesh")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--compile-cache", default=None,
                    help="JAX persistent compilation cache directory, or 'off' (default: "
@@ -113,24 +140,32 @@ def _wants_gpu() -> bool:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
+    import dataclasses
+
     from conflux_jax.checkpoints import load_checkpoint
     from conflux_jax.engine import Engine, EngineConfig
-    from conflux_jax.executor.buckets import BucketConfig
+    from conflux_jax.executor.device import default_buckets, default_platform, resolve_dtype
     from conflux_jax.executor.jax_executor import ExecutorConfig
 
-    ckpt = load_checkpoint(args.model, dtype=args.dtype, checkpoint_dir=args.checkpoint_dir)
-    buckets = BucketConfig(tokens=args.token_buckets, decode=args.decode_buckets,
-                           decode_pages=args.decode_page_buckets,
-                           max_prefill_seqs=args.max_prefill_seqs)
+    platform = default_platform()
+    dtype = resolve_dtype(args.dtype, platform)
+    ckpt = load_checkpoint(args.model, dtype=dtype, checkpoint_dir=args.checkpoint_dir)
+    given = {"tokens": args.token_buckets, "decode": args.decode_buckets,
+             "decode_pages": args.decode_page_buckets,
+             "max_prefill_seqs": args.max_prefill_seqs}
+    buckets = dataclasses.replace(default_buckets(platform),
+                                  **{k: v for k, v in given.items() if v is not None})
     executor = ExecutorConfig(mesh=args.mesh, page_size=args.page_size,
                               num_pages=args.num_pages, max_model_len=args.max_model_len,
-                              buckets=buckets, dtype=args.dtype,
+                              buckets=buckets, dtype=dtype,
                               num_top_logprobs=args.max_logprobs,
-                              compile_cache=args.compile_cache)
+                              compile_cache=args.compile_cache,
+                              gpu_memory_utilization=args.gpu_memory_utilization)
     return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
                   EngineConfig(executor=executor, policy=args.policy,
                                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                               profile=args.model, overdue_grace_s=args.overdue_grace))
+                               profile=args.model, overdue_grace_s=args.overdue_grace,
+                               recalibrate=args.recalibrate))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level != "debug":  # keep start-up to our few lines: warm-up, ready, stop
         for noisy in ("jax", "absl", "orbax"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    # JAX's GPU allocator takes 0.75 of the card unless told otherwise: give it the share
+    # the KV pool is sized for (vLLM's meaning of the utilization). No effect on CPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                          str(args.gpu_memory_utilization or 0.9))
     if not _wants_gpu():
         # Importing jax is harmless here: XLA reads the flag when the backend first
         # initialises, which nothing has triggered yet. On a GPU host the flag only

@@ -145,7 +145,7 @@ class EngineLoop:
     def _run(self, warmup: bool) -> None:
         if warmup:
             try:
-                self.warmup_s = self.engine.executor.warmup(progress=True)
+                self.warmup_s = self.engine.warmup(progress=True)  # compile, calibrate
                 self.engine.executor.guard.serving = True
             except Exception:
                 log.exception("warm-up failed; the server cannot serve")

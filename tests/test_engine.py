@@ -197,7 +197,7 @@ def test_engine_uses_the_fitted_profile_for_its_mesh(tmp_path, monkeypatch):
                     EngineConfig(executor=ec, profile="/models/tiny-fit.gguf"))
     got = engine.latency_model
     assert (got.gemm, got.dec, got.shared_cores) == (fitted.gemm, fitted.dec, True)
-    assert got.token_buckets == ec.buckets.tokens  # priced for this executor's buckets
+    assert got.token_buckets == engine.executor.buckets.tokens  # priced for its buckets
     unknown = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
                      EngineConfig(executor=ec, profile="no-such-model"))
     assert unknown.latency_model.gemm != fitted.gemm  # the built-in estimate

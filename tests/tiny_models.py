@@ -1,6 +1,7 @@
 """Tiny model configs shared by the tests (fast to compile and run on 2 CPU cores)."""
 
 from conflux_jax.config import ModelConfig, RopeScaling
+from conflux_jax.executor.buckets import BucketConfig
 
 TINY_LLAMA = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -19,3 +20,9 @@ TINY_SMOL = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=72, intermediate_size=96, num_layers=2,
     num_heads=9, num_kv_heads=3, head_dim=8, rope_theta=1e5, tie_word_embeddings=True,
     max_position_embeddings=512, eos_token_ids=(2,))
+
+# An executor with three step shapes (decode only, prefill, prefill + KV transfer) for
+# tests that compile the real step; tests that share it share compiled executables.
+SMALL_STEP = dict(mesh="sp=2,tp=1", page_size=4, max_model_len=32,
+                  buckets=BucketConfig(tokens=(32,), decode=(4,), transfer=(4,),
+                                       max_prefill_seqs=4))

@@ -40,14 +40,14 @@ def _profile_executor(args: argparse.Namespace) -> tuple[list, list, dict]:
 
     ex = build_executor(args.model, args.mesh, args.max_context)
     space = ProfileSpace(args.max_context, args.max_chunk, args.max_decodes,
-                         ex.exec_config.buckets.max_tokens, ex.model_config.vocab_size)
+                         ex.buckets.max_tokens, ex.model_config.vocab_size)
     train, test = profile(ex, space, args.train, args.test, args.repeats, args.seed,
                           blocks=BlockManager(ex.num_ranks, ex.kv.num_pages, ex.kv.page_size),
                           statistic=args.statistic)
     mesh = ex.mesh_spec
     return train, test, {
         "num_layers": ex.model_config.num_layers, "sp": mesh.sp, "tp": mesh.tp,
-        "mesh": args.mesh, "token_buckets": list(ex.exec_config.buckets.tokens),
+        "mesh": args.mesh, "token_buckets": list(ex.buckets.tokens),
         "repeats": args.repeats, "statistic": args.statistic,
         "timing": "shuffled order, one repeat per batch per round",
         # Simulated CPU devices time-share the host's cores (see latency/model.py).

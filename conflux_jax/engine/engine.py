@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -19,10 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from conflux_jax.engine.calibration import ENV_VAR as CALIBRATE_ENV
+from conflux_jax.engine.calibration import Budget, calibrate, load_saved
 from conflux_jax.engine.core import EngineCore, StepFailed
+from conflux_jax.executor.device import is_accelerator
 from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
 from conflux_jax.grammar import GrammarCompiler, GrammarError, Matcher
-from conflux_jax.latency import Affine, LatencyModel, load_fitted
+from conflux_jax.latency import Affine, LatencyModel, load_fitted, profile_name, roofline_model
+from conflux_jax.latency.roofline import ModelShape, hardware_for_device_kind
 from conflux_jax.outputs import OutputTracker, RequestOutput
 from conflux_jax.plan import IterationPlan, SamplingSpec, StepResult
 from conflux_jax.sampling import SamplingParams
@@ -64,6 +69,17 @@ class EngineConfig:
     # Bounded waiting (SchedulerConfig.overdue_grace_s): a request still waiting this long
     # past its TTFT deadline is served first. None = ``ttft_slo_s``; math.inf = never.
     overdue_grace_s: float | None = None
+    # Calibration (calibration.py) for a setup with no shipped fit: None = on a GPU/TPU
+    # (or with $CONFLUX_CALIBRATE=1), True/False = always/never. A fit saved by an earlier
+    # calibration is loaded at start-up; otherwise ``warmup`` profiles and fits.
+    calibrate: bool | None = None
+    recalibrate: bool = False  # ignore a saved fit: profile and fit anew at warm-up
+    calibration_budget: Budget = Budget()
+    calibration_dir: str | None = None  # None = beside the compile cache
+    # Prefill tokens every iteration runs while prompts wait, even past the TBT budget
+    # (SchedulerConfig.min_prefill_chunk): prefill never starves behind decodes that a
+    # pessimistic latency model says fill the budget.
+    min_prefill_chunk: int = 16
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -102,20 +118,27 @@ class Engine:
         self.executor = JaxExecutor(model_config, params, config.executor)
         order, mode = POLICIES[config.policy]
         ec = config.executor
+        buckets = self.executor.buckets  # the device's defaults unless given
         if mode == "tp_chunked" and self.executor.num_ranks != 1:
             raise ValueError("the chunked baseline runs uniform TP: use a mesh with sp=1")
+        self.model_name = profile_name(config.profile) if config.profile else (
+            f"{model_config.architecture}-L{model_config.num_layers}"
+            f"-h{model_config.hidden_size}-v{model_config.vocab_size}")
+        self._needs_calibration = False
         self.latency_model = config.latency_model or self._fitted_latency_model() or \
-            default_latency_model(model_config.num_layers, self.executor.num_ranks)
+            self._calibrated_or_estimate()
         self.scheduler = Scheduler(
             SchedulerConfig(tbt_slo_s=config.tbt_slo_s, ttft_slo_s=config.ttft_slo_s,
                             order=order, mode=mode, quantum=1,
-                            max_tokens_per_rank=ec.buckets.max_tokens,
-                            token_budget=ec.buckets.max_tokens,
-                            max_prefill_pieces=ec.buckets.max_prefill_seqs,
-                            max_decodes_per_rank=ec.buckets.decode[-1],
+                            max_tokens_per_rank=buckets.max_tokens,
+                            token_budget=buckets.max_tokens,
+                            max_prefill_pieces=buckets.max_prefill_seqs,
+                            max_decodes_per_rank=buckets.decode[-1],
                             max_transfer_groups=self.executor.planner.transfer_groups,
-                            overdue_grace_s=config.overdue_grace_s),
-            self.latency_model, BlockManager(self.executor.num_ranks, ec.num_pages, ec.page_size))
+                            overdue_grace_s=config.overdue_grace_s,
+                            min_prefill_chunk=config.min_prefill_chunk),
+            self.latency_model, BlockManager(self.executor.num_ranks, self.executor.kv.num_pages,
+                                             ec.page_size))
         self.core = EngineCore(self.scheduler, self.executor)
         self.max_model_len = min(ec.max_model_len, model_config.max_position_embeddings)
         self._live: dict[int, _Live] = {}
@@ -134,7 +157,58 @@ class Engine:
             return None
         mesh = self.executor.mesh_spec
         return load_fitted(self.config.profile, self.executor.mesh.devices.flat[0].platform,
-                           mesh.sp, mesh.tp, self.config.executor.buckets.tokens)
+                           mesh.sp, mesh.tp, self.executor.buckets.tokens)
+
+    def _calibrated_or_estimate(self) -> LatencyModel:
+        """A saved calibration of this setup, else the device's roofline (or the CPU
+        estimate), marking the engine for calibration at warm-up when it wants one."""
+        cfg, ex = self.config, self.executor
+        wanted = cfg.calibrate
+        if wanted is None:
+            wanted = is_accelerator(ex.platform) or os.environ.get(CALIBRATE_ENV) == "1"
+        if wanted and not cfg.recalibrate:
+            saved = load_saved(ex, self.model_name, cfg.calibration_dir)
+            if saved is not None:
+                log.info("latency model: the calibration saved for %s on %s (held-out MAPE "
+                         "%s%%)", self.model_name, ex.device_kind,
+                         saved.meta.get("heldout_mape_pct"))
+                return saved
+        self._needs_calibration = bool(wanted)
+        return self.device_estimate()
+
+    def device_estimate(self) -> LatencyModel:
+        """The roofline of the detected device when the hardware table knows it, else the
+        conservative CPU-scale estimate."""
+        ex, m = self.executor, self.model_config
+        hw = hardware_for_device_kind(ex.device_kind)
+        if hw is not None:
+            shape = ModelShape.from_config(self.model_name, m, ex.exec_config.max_model_len)
+            try:
+                return roofline_model(shape, hw, ex.mesh_spec.sp, ex.mesh_spec.tp
+                                      ).for_buckets(ex.buckets.tokens)
+            except ValueError as exc:  # e.g. more sp ranks than KV heads
+                log.warning("no roofline for this mesh (%s); using the built-in estimate", exc)
+        return default_latency_model(m.num_layers, ex.num_ranks)
+
+    def set_latency_model(self, model: LatencyModel) -> None:
+        """Price iterations with ``model`` from the next one on."""
+        self.latency_model = model
+        self.scheduler.model = model
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every step shape, then calibrate the latency model if this setup has
+        no fit yet; returns the seconds spent."""
+        start = time.perf_counter()
+        self.executor.warmup(progress=progress)
+        if self._needs_calibration:
+            cfg = self.config
+            log.info("calibrating the latency model for %s on %s: timing %d random batches",
+                     self.model_name, self.executor.device_kind,
+                     cfg.calibration_budget.num_train + cfg.calibration_budget.num_test)
+            self.set_latency_model(calibrate(self.executor, self.model_name,
+                                             cfg.calibration_budget, cfg.calibration_dir))
+            self._needs_calibration = False
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams,

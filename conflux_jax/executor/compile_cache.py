@@ -32,3 +32,9 @@ def enable_compilation_cache(path: str | Path | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     _enabled = target
     return target
+
+
+def calibration_dir(cache_dir: str | Path | None) -> Path:
+    """Where latency fits calibrated on this machine are kept: inside the compile cache
+    (they describe the same executables), or inside its default place when it is off."""
+    return Path(cache_dir or default_cache_dir()) / "latency-fits"

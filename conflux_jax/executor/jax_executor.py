@@ -23,6 +23,13 @@ from conflux_jax.executor.batch import BatchLayout, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
 from conflux_jax.executor.compile_guard import CompileGuard
+from conflux_jax.executor.device import (
+    DEFAULT_MEMORY_UTILIZATION,
+    default_buckets,
+    is_accelerator,
+    memory_budget,
+    resolve_dtype,
+)
 from conflux_jax.executor.head_padding import pad_heads
 from conflux_jax.executor.mesh import MeshSpec, make_mesh
 from conflux_jax.executor.step import (
@@ -33,6 +40,7 @@ from conflux_jax.executor.step import (
     param_specs,
     transfer_link_bytes,
 )
+from conflux_jax.latency.roofline import hardware_for_device_kind
 from conflux_jax.models.params import Params
 from conflux_jax.plan import (
     IterationPlan,
@@ -52,15 +60,38 @@ log = logging.getLogger(__name__)
 class ExecutorConfig:
     mesh: str | None = None  # "sp=4,tp=1"; None = every device as an sp rank
     page_size: int = 16
-    num_pages: int = 256  # per rank
+    # KV pages per rank. None = sized from device memory (``gpu_memory_utilization``) on
+    # an accelerator, or on a CPU when a utilization is given; else CPU_NUM_PAGES.
+    num_pages: int | None = None
     max_model_len: int = 2048
-    buckets: BucketConfig = BucketConfig()
-    dtype: str = "float32"
+    buckets: BucketConfig | None = None  # None = the device's defaults (device.py)
+    dtype: str = "auto"  # "auto" = bfloat16 on GPU/TPU, float32 on CPU
     attention_impl: str | None = None
     num_top_logprobs: int = 0
     compile_workers: int = 2
     return_logits: bool = False  # tests: keep each sampled row's logits in `last_logits`
     compile_cache: str | None = None  # directory; None = $CONFLUX_COMPILE_CACHE or default
+    # vLLM's --gpu-memory-utilization: the share of each device's memory that weights,
+    # the largest step's temporaries and the KV pool may use. None = 0.9 on an accelerator.
+    gpu_memory_utilization: float | None = None
+    device_memory_bytes: int | None = None  # one device's memory; None = ask the device
+
+
+CPU_NUM_PAGES = 256  # per rank, when a CPU is not asked to size the pool from memory
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """How the KV pool was sized on one device (bytes), for the log and the benchmarks."""
+
+    num_pages: int  # per rank
+    page_bytes: int  # K and V of one page, every layer, this device's heads
+    device_bytes: int = 0  # the device's memory (0: the pool was not sized from memory)
+    budget_bytes: int = 0  # utilization * device_bytes, capped by the allocator
+    weight_bytes: int = 0
+    activation_bytes: int = 0  # the largest step's temporaries, inputs and outputs
+    largest_shape: StepShape | None = None
+    utilization: float | None = None
 
 
 class JaxExecutor:
@@ -71,46 +102,128 @@ class JaxExecutor:
         self.compile_cache_dir = enable_compilation_cache(ec.compile_cache)
         self.mesh_spec = MeshSpec.parse(ec.mesh)
         self.mesh = make_mesh(self.mesh_spec)
+        self.platform = self.mesh.devices.flat[0].platform
+        self.device_kind = self.mesh.devices.flat[0].device_kind
+        self.dtype = jnp.dtype(resolve_dtype(ec.dtype, self.platform))
         n, tp = self.mesh_spec.sp, self.mesh_spec.tp
+        buckets = ec.buckets or default_buckets(self.platform)
+        if n == 1:
+            # One rank: a completing prefill's KV only moves between this rank's own pages,
+            # never over a link, so one transfer bucket spares the extra compiles.
+            buckets = dataclasses.replace(buckets, transfer=(buckets.transfer[-1],))
+        self.buckets = buckets
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
-        self.step_config = StepConfig(
-            model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
-            num_pages=ec.num_pages, num_top_logprobs=ec.num_top_logprobs,
-            attention_impl=ec.attention_impl, return_logits=ec.return_logits)
-        self._kv_spec = KVSpec(num_ranks=n, num_pages=ec.num_pages, page_size=ec.page_size)
-        dtype = jnp.dtype(ec.dtype)
         self._param_specs = param_specs(padded_params)
+        dtype = self.dtype
         self.params = jax.tree.map(
             lambda a, s: jax.device_put(jnp.asarray(a, dtype), NamedSharding(self.mesh, s)),
             padded_params, self._param_specs)
+        prefill_pages_per_seq = -(-ec.max_model_len // (ec.page_size * n))
+        self.planner = ShapePlanner(
+            self.buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
+            transfer_groups=prefill_pages_per_seq)
+        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s),
+                                       StepBatch.specs())
+
+        def step_config(num_pages: int) -> StepConfig:
+            return StepConfig(
+                model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
+                num_pages=num_pages, num_top_logprobs=ec.num_top_logprobs,
+                attention_impl=ec.attention_impl, return_logits=ec.return_logits)
+
+        def layout(num_pages: int) -> BatchLayout:
+            return BatchLayout(n, self.buckets.max_prefill_seqs, prefill_pages_per_seq,
+                               num_pages, vocab=config.vocab_size,
+                               mask_words=mask_words(config.vocab_size),
+                               history_len=ec.max_model_len)
+
+        self.memory = self._plan_memory(step_config, layout)
+        num_pages = self.memory.num_pages
+        self.step_config = step_config(num_pages)
+        self._kv_spec = KVSpec(num_ranks=n, num_pages=num_pages, page_size=ec.page_size)
         pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
         shape = kv_pool_shape(self.step_config)
         self._zero_pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
         self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
         self._step = build_step(self.step_config, self.mesh, self._param_specs)
-        prefill_pages_per_seq = -(-ec.max_model_len // (ec.page_size * n))
-        self.layout = BatchLayout(n, ec.buckets.max_prefill_seqs, prefill_pages_per_seq,
-                                  ec.num_pages, vocab=config.vocab_size,
-                                  mask_words=mask_words(config.vocab_size),
-                                  history_len=ec.max_model_len)
+        self.layout = layout(num_pages)
         # Device-resident mask / history padding per row count R: a step with no
         # constrained or penalized row sends these instead of fresh host buffers.
         self._idle_rows: dict[int, tuple[jax.Array, jax.Array]] = {}
-        buckets = ec.buckets
-        if n == 1:
-            # One rank: a completing prefill's KV only moves between this rank's own pages,
-            # never over a link, so one transfer bucket spares the extra compiles.
-            buckets = dataclasses.replace(buckets, transfer=(buckets.transfer[-1],))
-        self.planner = ShapePlanner(
-            buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
-            transfer_groups=prefill_pages_per_seq)
-        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s),
-                                       StepBatch.specs())
         self._compiled: dict[StepShape, Any] = {}
         self.guard = CompileGuard()
         self.last_transfer_bytes = 0  # link bytes of the last step's KV transfer
         self.clock_start = time.perf_counter()
+        self._log_kv_capacity()
+
+    # ------------------------------------------------------------------ KV pool sizing
+    def _plan_memory(self, step_config: Any, layout: Any) -> MemoryPlan:
+        """Pages per rank: given, or what device memory holds after the weights and the
+        largest step's temporaries (vLLM's profile-then-allocate, with the compiled
+        executable's memory analysis in place of a profiling run)."""
+        ec = self.exec_config
+        local_heads = step_config(1).model.num_kv_heads // self.mesh_spec.tp
+        m = self.model_config
+        page_bytes = (2 * m.num_layers * ec.page_size * local_heads * m.head_dim
+                      * self.dtype.itemsize)
+        util = ec.gpu_memory_utilization
+        if ec.num_pages is not None:
+            return MemoryPlan(ec.num_pages, page_bytes)
+        if util is None and not is_accelerator(self.platform):
+            return MemoryPlan(CPU_NUM_PAGES, page_bytes)
+        util = DEFAULT_MEMORY_UTILIZATION if util is None else util
+        devices = list(self.mesh.devices.flat)
+        if ec.device_memory_bytes is not None:
+            size, budget = ec.device_memory_bytes, int(util * ec.device_memory_bytes)
+        else:
+            hw = hardware_for_device_kind(self.device_kind)
+            size, budget = memory_budget(devices, util, hw.hbm_bytes if hw else None)
+        dev0 = devices[0]
+        weights = sum(sh.data.nbytes for leaf in jax.tree.leaves(self.params)
+                      for sh in leaf.addressable_shards if sh.device == dev0)
+        # Compile the largest step against a small stand-in pool: its temporaries do not
+        # grow with the pool (tests/executor/test_memory_safety.py: the pools are aliased
+        # and never copied), so they are the same for the real one.
+        probe_pages = self.planner.max_pages_per_seq + 1
+        largest = max(self.planner.all_shapes())
+        probe = build_step(step_config(probe_pages), self.mesh, self._param_specs)
+        pool = jax.ShapeDtypeStruct(kv_pool_shape(step_config(probe_pages)), self.dtype,
+                                    sharding=NamedSharding(self.mesh, KV_POOL_SPEC))
+        mem = probe.lower(*self._abstract_args(largest, layout(probe_pages), pool)
+                          ).compile().memory_analysis()
+        probe_pool = probe_pages * page_bytes  # K and V on this device
+        inputs = max(0, mem.argument_size_in_bytes - weights - probe_pool)
+        outputs = max(0, mem.output_size_in_bytes - mem.alias_size_in_bytes)
+        activations = mem.temp_size_in_bytes + inputs + outputs
+        pages = (budget - weights - activations) // page_bytes
+        need = -(-ec.max_model_len // ec.page_size) + self.planner.transfer_groups
+        if pages < need:
+            raise ValueError(
+                f"not enough device memory for the KV cache: {budget / 2**30:.2f} GiB "
+                f"({util:.2f} of {size / 2**30:.2f} GiB) less {weights / 2**30:.2f} GiB of "
+                f"weights and {activations / 2**30:.2f} GiB for the largest step {largest} "
+                f"leaves {max(pages, 0)} pages per rank; one {ec.max_model_len}-token "
+                f"request needs {need}. Raise gpu_memory_utilization, or lower "
+                "max_model_len or the token buckets")
+        return MemoryPlan(int(pages), page_bytes, size, budget, weights, activations,
+                          largest, util)
+
+    def _log_kv_capacity(self) -> None:
+        """vLLM's two start-up lines: how many tokens of KV fit, and for how many
+        max-length requests at once."""
+        mp, ec, n = self.memory, self.exec_config, self.num_ranks
+        if mp.device_bytes:
+            log.info("memory per device: %.2f GiB = %.2f of %.2f GiB; weights %.2f GiB, "
+                     "largest step %s %.2f GiB, KV cache %.2f GiB", mp.budget_bytes / 2**30,
+                     mp.utilization, mp.device_bytes / 2**30, mp.weight_bytes / 2**30,
+                     mp.largest_shape, mp.activation_bytes / 2**30,
+                     mp.num_pages * mp.page_bytes / 2**30)
+        tokens = mp.num_pages * ec.page_size
+        log.info("KV cache: %d tokens (%d per rank x %d ranks, %d pages of %d, %s); "
+                 "max concurrency for %d tokens per request: %.2fx", tokens * n, tokens, n,
+                 mp.num_pages, ec.page_size, self.dtype.name, ec.max_model_len,
+                 tokens * n / ec.max_model_len)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -125,15 +238,19 @@ class JaxExecutor:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ compilation
-    def _abstract_args(self, shape: StepShape):
+    def _abstract_args(self, shape: StepShape, layout: BatchLayout | None = None,
+                       pool: jax.ShapeDtypeStruct | None = None):
+        """The step's abstract arguments for ``shape`` (``layout`` and ``pool``: a
+        stand-in pool's, when sizing the real one)."""
         batch = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             StepBatch.padding(shape, self.layout), self._shardings)
+                             StepBatch.padding(shape, layout or self.layout), self._shardings)
 
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
-        return (jax.tree.map(abstract, self.params), abstract(self.k_pool),
-                abstract(self.v_pool), batch)
+        if pool is None:
+            pool = abstract(self.k_pool)
+        return (jax.tree.map(abstract, self.params), pool, pool, batch)
 
     def compile_shape(self, shape: StepShape) -> None:
         if shape not in self._compiled:
@@ -359,7 +476,7 @@ class JaxExecutor:
         """Bytes one step's KV transfer sends over links (K and V, every layer): each moved
         page group is N decode pages, N-1 of which leave another rank."""
         return transfer_link_bytes(self.step_config, int(batch.shared.transfer_count.sum()),
-                                   jnp.dtype(self.exec_config.dtype).itemsize)
+                                   self.dtype.itemsize)
 
 
 def _check_piece(piece: PrefillPiece, num_ranks: int) -> None:

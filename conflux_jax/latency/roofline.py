@@ -22,6 +22,9 @@ drives the scheduler and the simulator either way. Assumptions (all from SIMULAT
 * Attention phases: ``attention="serial"`` (default) runs prefill then decode attention,
   T_P + T_D, as our step does; ``attention="paper"`` is the paper's SM-partitioned overlap,
   1.28 * max(T_P, T_D) (§8.3: 28.0 ms overlapped vs a 21.8 ms contention-free bound).
+* Other devices (``HARDWARE``; ``hardware_for_device_kind`` maps jax's device kind to an
+  entry): the same efficiencies, and collectives at the H100's effective bandwidths
+  scaled by the device's link bandwidth relative to NVLink4's 450 GB/s.
 * Per-iteration overhead: reading the LM head once (h * V * 2 bytes at 0.8 HBM).
 * KV capacity: 90% of HBM minus the weights, per logical rank of tp GPUs.
 """
@@ -29,7 +32,9 @@ drives the scheduler and the simulator either way. Assumptions (all from SIMULAT
 from __future__ import annotations
 
 import dataclasses
+import re
 
+from conflux_jax.config import ModelConfig
 from conflux_jax.latency.model import Affine, LatencyModel
 
 
@@ -54,6 +59,14 @@ class ModelShape:
     vocab: int
     max_context: int
 
+    @classmethod
+    def from_config(cls, name: str, c: ModelConfig, max_context: int | None = None
+                    ) -> ModelShape:
+        """The shape of a loaded model (a checkpoint's config)."""
+        return cls(name, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
+                   c.head_dim, c.intermediate_size, c.vocab_size,
+                   max_context or c.max_position_embeddings)
+
     @property
     def params_per_layer(self) -> int:
         h, d = self.hidden, self.head_dim
@@ -70,10 +83,42 @@ class ModelShape:
         return 2 * self.num_kv_heads * self.head_dim * 2
 
 
+# Datasheet figures: bf16 dense FLOP/s, HBM bytes/s and bytes, link bytes/s per direction
+# (NVLink per GPU; a TPU's ICI per chip; PCIe 4.0 x16 for the L4, which has no NVLink).
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 989e12, 3.35e12, 80e9, 450e9),
+    "h100-pcie": Hardware("h100-pcie", 756e12, 2.0e12, 80e9, 300e9),
     "h200": Hardware("h200", 989e12, 4.8e12, 141e9, 450e9),
+    "b200": Hardware("b200", 2250e12, 8.0e12, 180e9, 900e9),
+    "a100": Hardware("a100", 312e12, 2.04e12, 80e9, 300e9),
+    "a100-40gb": Hardware("a100-40gb", 312e12, 1.555e12, 40e9, 300e9),
+    "l4": Hardware("l4", 121e12, 300e9, 24e9, 32e9),
+    "l40s": Hardware("l40s", 362e12, 864e9, 48e9, 32e9),
+    "mi300x": Hardware("mi300x", 1307e12, 5.3e12, 192e9, 448e9),
+    "tpu-v4": Hardware("tpu-v4", 275e12, 1.2e12, 32e9, 150e9),
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 819e9, 16e9, 100e9),
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 2.765e12, 95e9, 300e9),
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 1.64e12, 32e9, 224e9),
 }
+
+# jax's ``device_kind`` (lower-cased) -> HARDWARE key; the first pattern found wins, so
+# the more specific names come first ("h100 pcie" before "h100", "l40s" before "l4").
+_DEVICE_KINDS: tuple[tuple[str, str], ...] = (
+    (r"h200", "h200"), (r"gh200", "h200"), (r"h100.*pcie", "h100-pcie"), (r"h100", "h100"),
+    (r"b200", "b200"), (r"a100.*40gb", "a100-40gb"), (r"a100", "a100"), (r"l40s", "l40s"),
+    (r"\bl4\b", "l4"), (r"mi300x", "mi300x"), (r"v6 ?(lite|e)", "tpu-v6e"),
+    (r"v5 ?(lite|e)", "tpu-v5e"), (r"v5p?\b", "tpu-v5p"), (r"tpu v4", "tpu-v4"),
+)
+
+
+def hardware_for_device_kind(kind: str) -> Hardware | None:
+    """The table entry for a jax device kind ("NVIDIA H100 80GB HBM3", "TPU v5 lite"),
+    or None for a device the table does not know (a CPU among them)."""
+    text = kind.lower()
+    for pattern, name in _DEVICE_KINDS:
+        if re.search(pattern, text):
+            return HARDWARE[name]
+    return None
 
 MODELS: dict[str, ModelShape] = {
     "llama3.1-8b": ModelShape("llama3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
@@ -94,33 +139,39 @@ ATTENTION_MODES = ("serial", "paper")
 KV_MEM_FRACTION = 0.9
 
 
-def roofline_model(model: str, hardware: str, sp: int, tp: int = 1,
+def roofline_model(model: str | ModelShape, hardware: str | Hardware, sp: int, tp: int = 1,
                    attention: str = "serial") -> LatencyModel:
-    """Latency coefficients for ``model`` on ``sp`` logical ranks of ``tp`` GPUs each."""
+    """Latency coefficients for ``model`` on ``sp`` logical ranks of ``tp`` GPUs each.
+
+    Links other than the H100's NVLink4 scale the collectives' effective bandwidths by
+    their bandwidth relative to it."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-    m, hw = MODELS[model], HARDWARE[hardware]
+    m = MODELS[model] if isinstance(model, str) else model
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    link = hw.nvlink_bw / HARDWARE["h100"].nvlink_bw
+    a2a_bw, ar_busbw = A2A_BW * link, AR_BUSBW * link
     if sp > m.num_kv_heads:
         raise ValueError(f"sp={sp} > {m.num_kv_heads} KV heads (replication not modelled)")
     p_l = m.params_per_layer
     h, d = m.hidden, m.head_dim
-    ar_per_token = 2 * (h * 2) * 2 * (tp - 1) / tp / AR_BUSBW if tp > 1 else 0.0
+    ar_per_token = 2 * (h * 2) * 2 * (tp - 1) / tp / ar_busbw if tp > 1 else 0.0
     gemm = Affine(a=2 * p_l / tp / (ETA_GEMM * hw.peak_flops) + ar_per_token,
                   b=2 * AR_FLOOR_S if tp > 1 else 0.0,
                   floor=2 * p_l / tp / (ETA_WEIGHTS * hw.hbm_bw))
     dec = Affine(a=m.kv_bytes_per_token_layer / tp / (ETA_KV * hw.hbm_bw))
     pre = Affine(a=4 * m.num_q_heads * d / tp / (ETA_FA * hw.peak_flops))
     a2a_bytes = (2 * m.num_q_heads + 2 * m.num_kv_heads) * d * 2 / tp * (sp - 1) / sp
-    comm = Affine(a=a2a_bytes / A2A_BW, b=2 * A2A_FLOOR_S) if sp > 1 else Affine()
+    comm = Affine(a=a2a_bytes / a2a_bw, b=2 * A2A_FLOOR_S) if sp > 1 else Affine()
     x_bytes = m.kv_bytes_per_token_layer / tp * (sp - 1) / sp
-    transfer = Affine(a=x_bytes / A2A_BW, b=A2A_FLOOR_S) if sp > 1 else Affine()
+    transfer = Affine(a=x_bytes / a2a_bw, b=A2A_FLOOR_S) if sp > 1 else Affine()
     head = h * m.vocab * 2 / tp / (ETA_WEIGHTS * hw.hbm_bw)
     overlap = PAPER_OVERLAP if attention == "paper" else 1.0
     return LatencyModel(
         num_layers=m.num_layers, num_ranks=sp, gemm=gemm, dec=dec, pre=pre, comm=comm,
         alpha=overlap, beta=overlap, overhead_s=head, serial_attention=attention == "serial",
         transfer=transfer,
-        meta={"model": model, "hardware": hardware, "sp": sp, "tp": tp, "source": "roofline",
+        meta={"model": m.name, "hardware": hw.name, "sp": sp, "tp": tp, "source": "roofline",
               "attention": attention})
 
 

@@ -31,6 +31,13 @@ LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
                  "mlp_norm", "w_gate", "w_up", "w_down")
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f[..., n] @ w f[n, m] -> f[..., m] in x's dtype, accumulated in float32: bf16
+    activations keep fp32 sums (what cuBLAS and the MXU do natively; stated so that no
+    backend sums in bf16)."""
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x f[..., n], weight f[n]: RMSNorm computed in float32, as transformers does."""
     x32 = x.astype(jnp.float32)
@@ -100,19 +107,19 @@ class Decoder(nnx.Module):
             h, kv = carry
             w, layer = layer_in
             a = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-            q = (a @ w["wq"]).reshape(*a.shape[:-1], -1, head_dim)
-            k = (a @ w["wk"]).reshape(*a.shape[:-1], -1, head_dim)
-            v = (a @ w["wv"]).reshape(*a.shape[:-1], -1, head_dim)
+            q = linear(a, w["wq"]).reshape(*a.shape[:-1], -1, head_dim)
+            k = linear(a, w["wk"]).reshape(*a.shape[:-1], -1, head_dim)
+            v = linear(a, w["wv"]).reshape(*a.shape[:-1], -1, head_dim)
             if cfg.qk_norm:
                 q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             o, kv = attend(layer, q, k, v, kv)
-            attn_out = o.reshape(*o.shape[:-2], -1) @ w["wo"]
+            attn_out = linear(o.reshape(*o.shape[:-2], -1), w["wo"])
             h = h + _all_reduce(attn_out, tp_axis)
             m = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-            ffn = (jax.nn.silu(m @ w["w_gate"]) * (m @ w["w_up"])) @ w["w_down"]
+            ffn = linear(jax.nn.silu(linear(m, w["w_gate"])) * linear(m, w["w_up"]), w["w_down"])
             h = h + _all_reduce(ffn, tp_axis)
             return (h, kv), None
 
@@ -124,8 +131,8 @@ class Decoder(nnx.Module):
     def logits(self, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
         """x f[..., D] -> f32[..., V]: final norm and LM head (tied head = embedding^T)."""
         h = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-        out = h @ self.lm_head[...] if self.lm_head is not None else h @ self.embed[...].T
-        return out.astype(jnp.float32)
+        head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+        return jnp.matmul(h, head, preferred_element_type=jnp.float32)
 
 
 def _all_reduce(x: jax.Array, axis: str | None) -> jax.Array:

@@ -42,6 +42,11 @@ class SchedulerConfig:
     # iteration and no younger request takes the KV pages it waits for.
     overdue_grace_s: float | None = None
     overdue_min_chunk: int = 16
+    # Liveness of prefill: while prompts wait, every iteration runs at least this many
+    # prefill tokens (of its first candidate), even when the resident decodes already fill
+    # the TBT budget; 0 = none (the paper's policy: prefill waits for budget). An idle
+    # instance always runs one ``quantum``.
+    min_prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.order not in ("slo", "fcfs", "srpt"):
@@ -54,3 +59,5 @@ class SchedulerConfig:
             raise ValueError("overdue_grace_s must be non-negative")
         if self.overdue_min_chunk < 1:
             raise ValueError("overdue_min_chunk must be positive")
+        if self.min_prefill_chunk < 0:
+            raise ValueError("min_prefill_chunk must be non-negative")

@@ -455,12 +455,15 @@ class Scheduler:
             rem = st.remaining
             length, add = disp.dispatch(rem, st.prefilled)  # Alg. 1 line 6 (Alg. 2)
             # A chunk that runs even past the TBT budget (the plan then says it does not
-            # fit): the oldest overdue request always progresses (bounded waiting), and an
-            # idle instance runs one quantum rather than stall (liveness).
+            # fit): the oldest overdue request always progresses (bounded waiting), an
+            # idle instance runs one quantum rather than stall, and busy ones at least
+            # min_prefill_chunk tokens (liveness of prefill).
             if i == 0 and n_overdue:
                 floor = min(rem, self.cfg.overdue_min_chunk, self._room(disp.loads))
             elif length == 0 and not pieces and not self._decodes:
                 floor = min(rem, self.cfg.quantum)
+            elif not pieces and self.cfg.min_prefill_chunk:
+                floor = min(rem, self.cfg.min_prefill_chunk, self._room(disp.loads))
             else:
                 floor = 0
             if length < floor:

@@ -131,6 +131,9 @@ def _rpa_kernel(
         hi = jnp.minimum(n_blocks, lo + chunk)
         mid = jnp.minimum(jnp.maximum(n_full, lo), hi)
         scale = sm_scale * _LOG2E  # exp2 below
+        # Exact fp32 dots for fp32 KV (no TF32); bf16 dots accumulate in fp32 by default.
+        precision = lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 \
+            else lax.Precision.DEFAULT
 
         def tile(j: jax.Array, carry: tuple[jax.Array, ...], masked: bool) -> tuple[jax.Array, ...]:
             acc, m_prev, l_prev = carry
@@ -147,14 +150,14 @@ def _rpa_kernel(
             else:
                 k = plgpu.load(k_ref.at[idx])
                 v = plgpu.load(v_ref.at[idx])
-            s = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+            s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
             if masked:
                 s = jnp.where(kv_pos[None, :] <= q_pos[:, None], s, _MASK_VALUE)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
             alpha = jnp.exp2(m_prev - m_next)
             prob = jnp.exp2(s - m_next[:, None])
             l_next = alpha * l_prev + jnp.sum(prob, axis=1)
-            pv = plgpu.dot(prob.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+            pv = plgpu.dot(prob.astype(v.dtype), v, precision=precision)
             return alpha[:, None] * acc + pv, m_next, l_next
 
         carry = (

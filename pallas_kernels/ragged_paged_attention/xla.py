@@ -73,7 +73,10 @@ def _chunk_softmax(
     g, b, hkv, _, d = qb.shape
     k = k_rows[pages].reshape(g, -1, hkv, d)
     v = v_rows[pages].reshape(g, -1, hkv, d)
-    hi = lax.Precision.HIGHEST  # no TF32 when this runs on a GPU
+    # fp32 KV gets exact fp32 dots (no TF32 on a GPU, no bf16 passes on a TPU): the tests'
+    # tolerance. bf16 KV takes the default: its values are exact in TF32 and the sums are
+    # fp32 either way (preferred_element_type), so HIGHEST would only cost time.
+    hi = lax.Precision.HIGHEST if k.dtype == jnp.float32 else lax.Precision.DEFAULT
     logits = jnp.einsum("gbhjd,glhd->gbhjl", qb, k, preferred_element_type=jnp.float32,
                         precision=hi)
     logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)

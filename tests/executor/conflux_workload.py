@@ -36,9 +36,9 @@ def run_random_workload(ex: JaxExecutor, params, rng: np.random.Generator, num_r
     scheduler's do."""
     cfg = ex.model_config
     n = ex.num_ranks
-    t_max = ex.exec_config.buckets.max_tokens
-    d_max = ex.exec_config.buckets.decode[-1]
-    s_max = ex.exec_config.buckets.max_prefill_seqs
+    t_max = ex.buckets.max_tokens
+    d_max = ex.buckets.decode[-1]
+    s_max = ex.buckets.max_prefill_seqs
     bm = BlockManager(n, ex.kv.num_pages, ex.kv.page_size)
     tokens: dict[int, list[int]] = {}  # prompt + sampled tokens of each request
     pending = []

@@ -323,3 +323,30 @@ def test_lost_kv_recomputes_every_request_that_held_it() -> None:
         finished += it.finished if it else []
     assert sorted(finished) == [0, 1]
     sched.blocks.check_consistency()
+
+
+@pytest.mark.parametrize("floor", [0, 16])
+def test_prefill_never_starves_behind_decodes_that_fill_the_budget(floor: int) -> None:
+    """A latency model under which the resident decodes alone exceed the TBT SLO (the
+    built-in CPU estimate on a GPU) leaves no budget: without a floor the prompt waits
+    for decodes to drain; with ``min_prefill_chunk`` it gets that many tokens every
+    iteration, and each iteration still advances every decode."""
+    from conflux_jax.engine.core import EngineCore
+    from conflux_jax.latency import Affine, LatencyModel
+
+    slow = LatencyModel(num_layers=1, num_ranks=2, gemm=Affine(a=0.0, b=0.2), dec=Affine(),
+                        pre=Affine(), comm=Affine())  # 0.2 s per iteration > the 0.1 s TBT
+    cfg = SchedulerConfig(tbt_slo_s=TBT, ttft_slo_s=1e6, min_prefill_chunk=floor)
+    sched = Scheduler(cfg, slow, BlockManager(2, 200, 16))
+    ex = SimExecutor(slow, KVSpec(2, 200, 16))
+    core = EngineCore(sched, ex)
+    core.add(Request(0, 0.0, 8, 50))  # an idle instance runs it (one quantum at a time)
+    while sched.num_decoding < 1:
+        core.step()
+    core.add(Request(1, ex.now(), 100, 2))
+    prefilled = []
+    for _ in range(4):
+        it = core.step()
+        assert [d.request_id for d in it.plan.decode] == [0]  # stall-free
+        prefilled.append(sum(p.length for p in it.plan.prefill))
+    assert prefilled == [floor] * 4
