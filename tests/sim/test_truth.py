@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from conflux_jax.bench.workloads import at_rate, toolagent_like
-from conflux_jax.latency import Affine, BatchShape, LatencyModel
+from conflux_jax.latency import Affine, BatchShape, LatencyModel, attention_work
 from conflux_jax.latency.roofline import PAPER_OVERLAP, roofline_model
 from conflux_jax.plan import KVSpec
 from conflux_jax.scheduler.block_manager import BlockManager
@@ -123,3 +123,39 @@ def test_schedulers_plan_with_the_estimate_and_run_on_the_truth() -> None:
     assert sched.model != ex.model and sched.model.meta["fitted_to"] == "simulated truth"
     oracle = build_instance(dataclasses.replace(spec, estimate="oracle"))[0]
     assert oracle.model == ex.model
+
+
+def test_muxwise_without_headroom_hangs_prefill_on_a_float_equality() -> None:
+    """With no headroom decode's SM share makes decode alone fill the TBT exactly, so any
+    prefill chunk prices at or above the TBT and the scheduler's `<=` may reject it; a small
+    headroom leaves room that prefill fills."""
+    from conflux_jax.sim.baselines import MuxLatency
+
+    base = roofline_model("qwen3-14b", "h100", sp=1, tp=4)
+    t_d = base.decode_path(200 * 8193)
+    n_d, tau = 200, 0.1
+    dec = base.iteration(n_d, 0, 0.0, t_d)
+    assert dec < tau  # decode alone fits with room to spare
+    for headroom, fits in ((0.0, False), (0.05, True)):
+        mux = MuxLatency(base, tau, headroom=headroom)
+        one_chunk = mux.iteration(n_d + 16, 16, attention_work(16, 0), t_d)
+        assert (one_chunk < tau * (1 - 1e-12)) == fits, (headroom, one_chunk)
+
+
+def test_the_distserve_sweep_gives_prompt_heavy_work_more_prefill_instances() -> None:
+    """Long prompts and one output token each: all the work is prefill, so the best split
+    puts more GPUs on prefill than on decode (DistServe's own placement search)."""
+    from conflux_jax.sim.policies import disagg_splits, sweep
+
+    reqs = [Request(i, 0.25 * i, 12_000, 2) for i in range(80)]
+    spec = InstanceSpec("DistServe", "qwen3-14b", "h100", 4, 2.0, 0.1)
+    assert len(sweep(spec)) == len(disagg_splits("qwen3-14b", "h100", 4)) >= 3
+
+    def score(cand: InstanceSpec) -> tuple[float, float]:
+        rep = run_policy(cand, reqs)
+        return rep.attainment, -rep.sim_seconds
+
+    best, tried = best_setting(spec, score)
+    split = best.split
+    assert split.prefill_replicas * split.prefill_tp > split.decode_replicas * split.decode_tp
+    assert len(tried) == len(sweep(spec))
