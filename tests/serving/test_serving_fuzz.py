@@ -103,15 +103,23 @@ def bodies(server):
             schema = post["requestBody"]["content"]["application/json"]["schema"]
             out[path] = st.one_of(from_schema(schema, spec, hostile=True),
                                   from_schema(schema, spec, hostile=False))
-    assert set(out) == {"/v1/completions", "/v1/chat/completions"}
+    assert set(out) == set(POST_ENDPOINTS)
     return out
 
 
-def _check(r: httpx.Response, body: Any) -> None:
+POST_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+
+
+def _check(r: httpx.Response, body: Any, path: str) -> None:
     assert r.status_code < 500, (r.status_code, r.text, body)
     if r.status_code >= 400:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"]
+    elif path == "/tokenize":
+        got = r.json()
+        assert got["count"] == len(got["tokens"]), got
+    elif path == "/detokenize":
+        assert isinstance(r.json()["prompt"], str)
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
     else:
@@ -119,7 +127,8 @@ def _check(r: httpx.Response, body: Any) -> None:
 
 
 def test_fuzz_request_bodies(server, bodies):
-    paths = sorted(bodies)
+    # The generation endpoints drawn most: they are the ones that reach the engine.
+    paths = [p for p in sorted(bodies) for _ in range(3 if p.startswith("/v1/") else 1)]
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -136,7 +145,7 @@ def test_fuzz_request_bodies(server, bodies):
             body.pop("max_completion_tokens", None)
         r = httpx.post(server.url + path, content=json.dumps(body), timeout=60,
                        headers={"Content-Type": "application/json"})
-        _check(r, body)
+        _check(r, body, path)
         STATUS.append(r.status_code)
 
     one()
@@ -149,7 +158,7 @@ def test_fuzz_request_bodies(server, bodies):
 @settings(max_examples=40, deadline=None, database=None, derandomize=True)
 @given(raw=st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode)))
 def test_fuzz_raw_bodies(server, raw):
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in POST_ENDPOINTS:
         r = httpx.post(server.url + path, content=raw, timeout=30,
                        headers={"Content-Type": "application/json"})
         assert 400 <= r.status_code < 500, (r.status_code, r.text, raw)
