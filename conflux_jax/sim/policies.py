@@ -171,7 +171,7 @@ def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecu
                     mode=mode, overdue_grace_s=None if spec.bounded_wait else math.inf)
     if mode == "mux":
         kw["mode"] = "conflux"  # one TP rank whose largest TBT-safe chunk waterfill finds
-        kw["max_tokens_per_rank"] = 16384
+        kw["max_tokens_per_rank"] = tokens_per_rank(mode)
     kw.update(overrides)
     cfg = SchedulerConfig(**kw)
     truth = truth_model(spec)
@@ -200,16 +200,20 @@ def instance_report(spec: InstanceSpec) -> dict:
         out["estimate"] = {"source": "none (batches by token count, not by a model)"}
         out["split"] = str(spec.split or default_split(spec.gpus))
         return out
-    sched, _ = build_instance(spec)
-    model = sched.model.base if isinstance(sched.model, MuxLatency) else sched.model
-    tokens = sched.cfg.max_tokens_per_rank
-    out["estimate"] = estimate_for(spec, truth_model(spec), tokens).report
-    out["estimate"]["alpha"], out["estimate"]["beta"] = model.alpha, model.beta
+    est = estimate_for(spec, truth_model(spec), tokens_per_rank(mode))
+    # A copy: the fitted estimate (and its report) is cached and shared.
+    out["estimate"] = {**est.report, "alpha": est.model.alpha, "beta": est.model.beta}
     if mode == "tp_chunked":
-        out["token_budget"] = sched.cfg.token_budget
+        out["token_budget"] = resolved(spec).token_budget
     if mode == "mux":
         out["mux_headroom"] = spec.mux_headroom
     return out
+
+
+def tokens_per_rank(mode: str) -> int:
+    """The scheduler's largest per-rank token load for a policy mode (MuxWise's one TP
+    rank runs whole prefill chunks of up to 16K tokens)."""
+    return 16384 if mode == "mux" else SchedulerConfig.max_tokens_per_rank
 
 
 def default_split(gpus: int) -> DisaggSplit:
@@ -255,8 +259,7 @@ def resolved(spec: InstanceSpec) -> InstanceSpec:
     """``spec`` with its baseline's default setting made explicit: Chunked's budget derived
     from its estimate, DistServe's paper split."""
     if spec.mode == "tp_chunked" and spec.token_budget is None:
-        tokens = SchedulerConfig.max_tokens_per_rank
-        est = estimate_for(spec, truth_model(spec), tokens).model
+        est = estimate_for(spec, truth_model(spec), tokens_per_rank(spec.mode)).model
         return dataclasses.replace(spec, token_budget=chunked_budget(est, spec.tbt_slo_s))
     if spec.mode == "disagg" and spec.split is None:
         return dataclasses.replace(spec, split=default_split(spec.gpus))
