@@ -17,8 +17,11 @@ Plan semantics
   into ``pages[r]``.
 * ``completes`` means this chunk finishes the prompt: the executor samples the first
   output token from the chunk's last position and moves the request's KV (all heads,
-  positions ``[0, start + length)``, one page group per entry of ``pages[r]``) into
-  ``decode_pages`` on rank ``decode_rank``.
+  positions ``[resident_tokens, start + length)``, one page group per entry of
+  ``pages[r]``) into ``decode_pages`` on rank ``decode_rank``.
+* A chunk with ``load_pages`` starts after a prefix-cache hit: before its attention the
+  executor copies each rank's head shard of the cached KV (positions ``[0, start)``,
+  full-head decode pages on ``load_rank``) into that rank's prefill pages.
 * A :class:`DecodeSlot` advances one resident decode on its rank by one token: the
   request's last sampled token ``token_id`` is written to KV at ``position`` (the current
   KV length) in ``pages`` and the next token is sampled.
@@ -92,6 +95,13 @@ class PrefillPiece:
     decode_pages: tuple[int, ...] = ()  # i32[pages] on decode_rank (completing chunks)
     sampling: SamplingSpec = GREEDY
     sample_step: int = 0  # index of the output token a completing chunk samples
+    # Prefix cache. The first chunk after a hit loads the cached KV of positions
+    # [0, start) from decode-view pages ``load_pages`` on ``load_rank`` into ``pages``;
+    # a completing chunk's first ``resident_tokens`` positions are already in its
+    # decode pages (the cached prefix on its decode rank) and are not moved.
+    load_rank: int | None = None
+    load_pages: tuple[int, ...] = ()  # i32[start / page_size] on load_rank
+    resident_tokens: int = 0
 
     @property
     def length(self) -> int:

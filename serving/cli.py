@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "deadline is served first, oldest first (default: the TTFT SLO)")
     p.add_argument("--policy", default="conflux",
                    choices=["conflux", "fcfs", "srpt", "chunked", "isolated"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="automatic prefix caching: prompts reuse cached KV of full pages "
+                        "(default on, as in vLLM; --no-enable-prefix-caching turns it off)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None,
@@ -165,7 +169,8 @@ def build_engine(args: argparse.Namespace) -> Any:
                   EngineConfig(executor=executor, policy=args.policy,
                                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                profile=args.model, overdue_grace_s=args.overdue_grace,
-                               recalibrate=args.recalibrate))
+                               recalibrate=args.recalibrate,
+                               enable_prefix_caching=args.enable_prefix_caching))
 
 
 def main(argv: list[str] | None = None) -> int:

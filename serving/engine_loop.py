@@ -45,6 +45,8 @@ class Stats:
     kv_usage: float = 0.0
     kv_pages_used: int = 0  # summed over ranks; 0 when idle, else pages leaked
     steps: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, ever
+    prefix_hits: int = 0  # of which the cache served
 
 
 class RequestStream:
@@ -272,7 +274,9 @@ class EngineLoop:
             waiting = eng.scheduler.num_pending
             self.stats = Stats(running=max(0, eng.num_unfinished - waiting), waiting=waiting,
                                kv_usage=used / (bm.num_pages * bm.num_ranks),
-                               kv_pages_used=used, steps=self.stats.steps + int(stepped))
+                               kv_pages_used=used, steps=self.stats.steps + int(stepped),
+                               prefix_queries=eng.scheduler.prefix_queries,
+                               prefix_hits=eng.scheduler.prefix_hits)
         except Exception:  # stats are best effort; never stop serving for them
             log.debug("could not read engine stats", exc_info=True)
 

@@ -29,10 +29,11 @@ class Metrics:
         self.request_success = Counter("vllm:request_success", "Finished requests.",
                                        m + ["finished_reason"], registry=r)
         self.prefix_cache_queries = Counter(
-            "vllm:prefix_cache_queries", "Tokens queried against the prefix cache (none: no "
-            "prefix caching yet).", m, registry=r)
-        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits.", m,
-                                         registry=r)
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m,
+            registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens the prefix "
+                                         "cache served.", m, registry=r)
+        self._prefix_seen = (0, 0)  # the engine's running totals at the last scrape
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", m,
@@ -88,4 +89,9 @@ class Metrics:
         self.waiting.labels(name).set(stats.waiting)
         self.kv_usage.labels(name).set(stats.kv_usage)
         self.kv_pages_used.labels(name).set(stats.kv_pages_used)
+        # The scheduler keeps running totals; counters only go up by the difference.
+        q, h = self._prefix_seen
+        self.prefix_cache_queries.labels(name).inc(max(0, stats.prefix_queries - q))
+        self.prefix_cache_hits.labels(name).inc(max(0, stats.prefix_hits - h))
+        self._prefix_seen = (max(q, stats.prefix_queries), max(h, stats.prefix_hits))
         return generate_latest(self.registry)

@@ -192,7 +192,8 @@ class _SamplingFields(BaseModel):
     logits_processors: _refused("custom logits processors") = None
     return_tokens_as_token_ids: _refused("tokens are returned as text", False) = None
     return_token_ids: StrictBool = False  # the prompt's and each choice's token ids
-    cache_salt: _refused("per-request prefix-cache salts") = None
+    # vLLM's tenant isolation: prompts share cached KV only with the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     kv_transfer_params: _refused("external KV transfer") = None
     vllm_xargs: _refused("vllm_xargs") = None
     guided_whitespace_pattern: _refused("JSON is always generated compact") = None

@@ -54,8 +54,9 @@ async def _start_choices(state: ServerState, prompt_ids: list[int], sampling: Sa
     return gens
 
 
-def _usage(gens: list[Generation]) -> dict[str, int]:
-    return fmt.usage(len(gens[0].prompt_ids), sum(len(g.token_ids) for g in gens))
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    return fmt.usage(len(gens[0].prompt_ids), sum(len(g.token_ids) for g in gens),
+                     gens[0].cached_tokens)
 
 
 async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, StepOutput]]:
@@ -103,6 +104,7 @@ class Generation:
         self.logprobs: list[dict[int, float]] = []
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache served
         self.stream: RequestStream | None = None
         self._recorded = False
 
@@ -126,9 +128,10 @@ class Generation:
             slo["ttft_slo_s"] = body.ttft_slo_ms / 1000.0
         if body.tbt_slo_ms is not None:
             slo["tbt_slo_s"] = body.tbt_slo_ms / 1000.0
+        extra: dict[str, Any] = {"cache_salt": body.cache_salt} if body.cache_salt else {}
         state.inflight += 1
         try:
-            gen.stream = loop.submit(ids, sampling, **slo)
+            gen.stream = loop.submit(ids, sampling, **slo, **extra)
             await gen.stream.accepted
         except (EngineError, ValueError) as exc:
             state.inflight -= 1
@@ -150,6 +153,8 @@ class Generation:
         assert self.stream is not None
         try:
             async for out in self.stream:
+                if out.num_cached_tokens is not None:
+                    self.cached_tokens = out.num_cached_tokens
                 if out.new_token_ids:
                     self.token_ids.extend(out.new_token_ids)
                     self.token_times.extend([out.time_s] * len(out.new_token_ids))

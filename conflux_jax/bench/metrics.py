@@ -28,6 +28,9 @@ class RequestResult:
     output_len: int = 0  # tokens generated (server usage when known, else streamed tokens)
     success: bool = False
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache served
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # multi-turn replays
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)  # what was sent
 
     @property
     def ttft(self) -> float | None:
@@ -65,6 +68,7 @@ def summarize(results: list[RequestResult], duration_s: float, ttft_slo_s: float
     ok = [r for r in results if r.success]
     total_in = sum(r.input_len for r in ok)
     total_out = sum(r.output_len for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok
              if r.output_len > 1 and r.latency is not None and r.ttft is not None]
@@ -79,6 +83,7 @@ def summarize(results: list[RequestResult], duration_s: float, ttft_slo_s: float
         "output_throughput": total_out / dur, "total_token_throughput": (total_in + total_out)
         / dur,
         "deadline_attainment": good / max(1, len(results)),
+        "total_cached_tokens": cached, "prefix_cache_hit_rate": cached / max(1, total_in),
         "ttft_slo_s": ttft_slo_s, "tbt_slo_s": tbt_slo_s,
     }
     for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
@@ -113,7 +118,9 @@ def format_summary(m: dict, title: str = "Serving Benchmark Result",
              row("Output token throughput (tok/s):", m["output_throughput"], ".2f"),
              row("Total Token throughput (tok/s):", m["total_token_throughput"], ".2f"),
              row(f"Deadline attainment ({m['ttft_slo_s']:g}s/{m['tbt_slo_s'] * 1e3:g}ms):",
-                 f"{100 * m['deadline_attainment']:.1f}%")]
+                 f"{100 * m['deadline_attainment']:.1f}%"),
+             row("Prefix cache hit rate (tokens):",
+                 f"{100 * m.get('prefix_cache_hit_rate', 0.0):.1f}%")]
     for key, name, header in (("ttft", "TTFT", "Time to First Token"),
                               ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
                               ("itl", "ITL", "Inter-token Latency"),

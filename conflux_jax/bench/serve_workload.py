@@ -9,6 +9,11 @@
   share hash ids share a prompt prefix; a row without hash ids gets unique tokens.
 * Arrivals follow §8.1: subsample, then scale every inter-arrival gap by one factor so
   the mean rate hits the target.
+* Multi-turn replay (``multi_turn``): consecutive rows become the turns of one chat; a
+  follow-up turn resends the whole conversation so far (earlier prompt, the answer the
+  server gave, a new user message) once the previous turn has finished, as a chat client
+  does. That resent history is what a prefix cache can reuse; ``reusable_tokens`` counts
+  it by brute force.
 """
 
 from __future__ import annotations
@@ -57,9 +62,67 @@ def _clamp(n: int, cap: int | None) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ServeRequest:
+    """One request. A follow-up turn (``follows`` = the index of the previous turn in the
+    replay) is sent once that turn has finished, and not before ``arrival_s``; its prompt
+    is the previous turn's prompt, the tokens the server generated, then ``prompt_ids``."""
+
     arrival_s: float  # offset from the start of the run
     prompt_ids: list[int]
     max_tokens: int
+    follows: int | None = None
+
+
+def full_prompt(reqs: list[ServeRequest], i: int, sent: dict[int, list[int]],
+                outputs: dict[int, list[int]]) -> list[int]:
+    """The prompt request ``i`` sends, given what earlier turns sent and got back."""
+    r = reqs[i]
+    if r.follows is None:
+        return list(r.prompt_ids)
+    return sent[r.follows] + outputs[r.follows] + list(r.prompt_ids)
+
+
+def multi_turn(rows: list[Row], turns: int, scaling: LengthScaling,
+               turn_scaling: LengthScaling, vocab: tuple[int, int], seed: int = 0
+               ) -> list[ServeRequest]:
+    """Chats of ``turns`` consecutive rows: the first turn is the row's synthesized
+    prompt (``scaling``); each later turn adds a new user message of its row's length
+    scaled by ``turn_scaling`` to the conversation so far. Outputs use ``scaling``."""
+    first = synthesize(rows, scaling, vocab, seed)
+    out: list[ServeRequest] = []
+    for k, (row, req) in enumerate(zip(rows, first, strict=True)):
+        if k % turns == 0:
+            out.append(req)
+            continue
+        rng = random.Random(f"{seed}/turn/{k}")
+        msg = [rng.randrange(*vocab) for _ in range(turn_scaling.prompt(row.input_len))]
+        out.append(ServeRequest(row.arrival_s, msg, req.max_tokens, follows=k - 1))
+    return out
+
+
+def reusable_tokens(sent: list[list[int]], outputs: list[list[int]], page_size: int,
+                    pool_pages: int | None = None) -> int:
+    """Prompt tokens a prefix cache could serve, by brute force over the requests in the
+    order they were sent: each request's longest run of full pages (leaving its last
+    token to compute) that an earlier request's KV (its prompt and all but its last
+    generated token) holds. With ``pool_pages``, earlier KV is kept in an LRU of that
+    many pages, touched on every use (what a pool of that size can keep at best)."""
+    from collections import OrderedDict
+
+    lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
+    total = 0
+    for prompt, out in zip(sent, outputs, strict=True):
+        hit = 0
+        while (hit + 1) * page_size <= len(prompt) - 1 and \
+                tuple(prompt[:(hit + 1) * page_size]) in lru:
+            hit += 1
+        total += hit * page_size
+        kv = prompt + out[:-1]
+        for j in range(1, len(kv) // page_size + 1):
+            lru[tuple(kv[:j * page_size])] = None
+            lru.move_to_end(tuple(kv[:j * page_size]))
+        while pool_pages is not None and len(lru) > pool_pages:
+            lru.popitem(last=False)
+    return total
 
 
 def load_rows(trace: str, num: int, seed: int = 0) -> list[Row]:

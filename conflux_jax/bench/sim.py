@@ -26,7 +26,7 @@ from conflux_jax.bench.workloads import (
     load_trace_hashes,
     load_workload,
 )
-from conflux_jax.latency.roofline import ATTENTION_MODES, MODELS
+from conflux_jax.latency.roofline import ATTENTION_MODES, MODELS, kv_tokens_per_rank
 from conflux_jax.sim.policies import (
     POLICIES,
     SLOS,
@@ -59,6 +59,7 @@ def run_one(spec: InstanceSpec, reqs: list) -> dict:
             "mean_ttft_s": sum(ttfts) / max(1, len(ttfts)), "sim_seconds": rep.sim_seconds,
             "slo_claim_violations": rep.slo_claim_violations,
             "max_wait_s": waits[-1] if waits else 0.0,
+            "prefix_hit_rate": rep.prefix_hit_rate,
             "p999_wait_s": waits[min(len(waits) - 1, int(0.999 * len(waits)))] if waits
             else 0.0}
 
@@ -99,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft", type=float, help="TTFT SLO seconds (default: paper's)")
     ap.add_argument("--tbt", type=float, help="TBT SLO seconds (default: paper's)")
     ap.add_argument("--coeffs", type=Path, help="fitted latency JSON for the conflux mesh")
-    ap.add_argument("--prefix-cache", action="store_true",
-                    help="Mooncake traces only: skip the prefill of each prompt's leading "
-                         "blocks that an earlier request sent. An unbounded cache that "
-                         "costs nothing: an upper bound on what a real one saves")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="turn off the engine's prefix cache (on by default: on a Mooncake "
+                         "trace its hash_ids name each prompt's blocks, and the cache, "
+                         "bounded by each instance's simulated KV pool, reuses them)")
+    ap.add_argument("--unbounded-prefix-cache", action="store_true",
+                    help="instead of the engine's cache, skip every block an earlier "
+                         "request sent: unbounded and free, an upper bound only")
     ap.add_argument("--bounded-wait", action="store_true",
                     help="every policy with the serving engine's bounded-waiting rule (a "
                          "request past its TTFT deadline by one TTFT SLO is served first); "
@@ -128,12 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     rates = args.rates or DEFAULT_RATES[args.model]
     base = load_workload(args.trace, args.num_requests, args.seed)
     hashes = None
-    if args.prefix_cache:
+    caching = not args.no_prefix_caching
+    if args.unbounded_prefix_cache:
         if args.trace in GENERATED:
-            ap.error("--prefix-cache needs a Mooncake trace (its hash_ids name shared blocks)")
-        hashes = load_trace_hashes(args.trace)
+            ap.error("--unbounded-prefix-cache needs a Mooncake trace (its hash_ids name "
+                     "shared blocks)")
+        caching = False
+    if args.trace not in GENERATED and (caching or args.unbounded_prefix_cache):
+        try:
+            hashes = load_trace_hashes(args.trace)
+        except ValueError:
+            hashes = None  # a trace without hash ids: nothing for a cache to match
     max_ctx = MODELS[args.model].max_context
-    workloads = {r: at_rate(base, r, args.num_requests, max_ctx, args.seed, hashes)
+    workloads = {r: at_rate(base, r, args.num_requests, max_ctx, args.seed, hashes,
+                            unbounded_cache=args.unbounded_prefix_cache)
                  for r in rates}
     t0 = time.time()
     results: dict[str, list[dict]] = {}
@@ -141,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = {p: resolved(InstanceSpec(p, args.model, args.hardware, args.gpus, ttft, tbt,
                                       coeffs=args.coeffs, bounded_wait=args.bounded_wait,
                                       noise=args.noise, estimate=args.estimate,
-                                      attention=args.attention, seed=args.seed))
+                                      attention=args.attention, seed=args.seed,
+                                      prefix_caching=caching))
              for p in args.policies}
     cands = {p: [s] if args.no_sweep else sweep(s) for p, s in specs.items()}
     bar = tqdm(total=sum(len(c) for c in cands.values()) * len(rates), desc="policy x rate")
@@ -167,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.time() - t0
     good = {p: slo.goodput(rates, [r["attainment"] for r in rows]) for p, rows in results.items()}
 
-    cache = ", unbounded prefix cache (upper bound)" if args.prefix_cache else ""
+    pool = kv_tokens_per_rank(args.model, args.hardware, max(1, args.gpus // min(args.gpus, 4)))
+    cache = (", unbounded prefix cache (upper bound)" if args.unbounded_prefix_cache else
+             f", prefix cache bounded by the KV pool ({pool} tokens per Conflux rank)"
+             if hashes is not None and caching else ", no prefix caching")
     cache += ", bounded waiting" if args.bounded_wait else ""
     cache += f", noise {args.noise:g}" if args.noise else ""
     cache += ", oracle estimate" if args.estimate == "oracle" else ""
@@ -177,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     print(title)
     print(f"{'policy':<20} {'goodput (req/s)':>16}   attainment % at " +
           " ".join(f"{r:g}" for r in rates) + "   max wait (s) at " +
+          " ".join(f"{r:g}" for r in rates) + "   prefix hit % at " +
           " ".join(f"{r:g}" for r in rates))
     capped = {p: bool(rows) and rows[-1]["attainment"] >= TARGET for p, rows in results.items()}
     for p, rows in results.items():
         att = " ".join(f"{100 * r['attainment']:.0f}" for r in rows)
         wait = " ".join(f"{r['max_wait_s']:.0f}" for r in rows)
+        wait += "   " + " ".join(f"{100 * r['prefix_hit_rate']:.0f}" for r in rows)
         shown = (">=" if capped[p] else "") + f"{good[p]:g}"  # sweep ended still passing
         chosen = settings[p]["chosen"]
         print(f"{p:<20} {shown:>16}   {att}   {wait}"
@@ -191,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "bench": "sim", "model": args.model, "hardware": args.hardware,
-            "gpus": args.gpus, "trace": args.trace, "prefix_cache": args.prefix_cache,
-            "prefix_cache_model": "unbounded and free: an upper bound" if args.prefix_cache
-            else None,
+            "gpus": args.gpus, "trace": args.trace,
+            "prefix_cache_model": "unbounded and free: an upper bound"
+            if args.unbounded_prefix_cache else
+            f"the engine's, bounded by each instance's KV pool ({pool} tokens per Conflux "
+            "rank)" if hashes is not None and caching else None,
             "num_requests": args.num_requests, "bounded_wait": args.bounded_wait,
             "ttft_slo_s": ttft, "tbt_slo_s": tbt, "rates": rates, "target": TARGET,
             "latency_source": str(args.coeffs) if args.coeffs else "roofline",

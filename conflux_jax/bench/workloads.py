@@ -151,11 +151,14 @@ def poisson_random(num: int, seed: int = 0, prompt: tuple[int, int] = (128, 8192
 
 
 def at_rate(base: Base, rate: float, num: int, max_context: int, seed: int = 0,
-            hashes: Sequence[Sequence[int]] | None = None) -> list[Request]:
+            hashes: Sequence[Sequence[int]] | None = None,
+            unbounded_cache: bool = False) -> list[Request]:
     """Subsample ``num`` requests, rescale arrivals to ``rate`` req/s, cap lengths.
 
-    With ``hashes`` (``load_trace_hashes``, aligned with ``base``), each request also
-    gets the prefix an unbounded cache would hold from the *sampled* requests before it.
+    With ``hashes`` (``load_trace_hashes``, aligned with ``base``), each request names its
+    prompt's blocks, so the schedulers' (bounded) prefix cache can match them; with
+    ``unbounded_cache`` it instead gets the prefix an unbounded, free cache would hold
+    from the *sampled* requests before it (an upper bound, for comparison only).
     """
     picked = list(range(len(base)))
     if num < len(base):
@@ -165,12 +168,16 @@ def at_rate(base: Base, rate: float, num: int, max_context: int, seed: int = 0,
     span = rows[-1][0] - t0
     scale = (len(rows) - 1) / rate / span if span > 0 and len(rows) > 1 else 1.0
     prompts = [min(p, max_context - 1) for _, p, _ in rows]
-    cached = ([0] * len(rows) if hashes is None else
+    cached = ([0] * len(rows) if hashes is None or not unbounded_cache else
               cached_prefixes([hashes[i] for i in picked], prompts))
     reqs = []
     for i, ((t, _, o), p) in enumerate(zip(rows, prompts, strict=True)):
         o = max(1, min(o, max_context - p))
-        reqs.append(Request(i, (t - t0) * scale, p, o, cached_prefix=cached[i]))
+        blocks = tuple(hashes[picked[i]]) if hashes is not None and not unbounded_cache \
+            else ()
+        reqs.append(Request(i, (t - t0) * scale, p, o, cached_prefix=cached[i],
+                            block_ids=blocks,
+                            block_tokens=TRACE_BLOCK_TOKENS if blocks else 0))
     return reqs
 
 

@@ -80,6 +80,9 @@ class EngineConfig:
     # (SchedulerConfig.min_prefill_chunk): prefill never starves behind decodes that a
     # pessimistic latency model says fill the budget.
     min_prefill_chunk: int = 16
+    # Automatic prefix caching (on by default, as in vLLM): prompts reuse the KV of full
+    # pages an earlier request computed (SchedulerConfig.enable_prefix_caching).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -97,6 +100,8 @@ class StepOutput:
     finish_reason: str | None
     time_s: float  # perf_counter() when the token became available
     logprobs: list[dict[int, float]] | None = None
+    # On a request's first output: prompt tokens served from the prefix cache.
+    num_cached_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -136,7 +141,8 @@ class Engine:
                             max_decodes_per_rank=buckets.decode[-1],
                             max_transfer_groups=self.executor.planner.transfer_groups,
                             overdue_grace_s=config.overdue_grace_s,
-                            min_prefill_chunk=config.min_prefill_chunk),
+                            min_prefill_chunk=config.min_prefill_chunk,
+                            enable_prefix_caching=config.enable_prefix_caching),
             self.latency_model, BlockManager(self.executor.num_ranks, self.executor.kv.num_pages,
                                              ec.page_size))
         self.core = EngineCore(self.scheduler, self.executor)
@@ -213,11 +219,14 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams,
                     arrival_s: float | None = None, ttft_slo_s: float | None = None,
-                    tbt_slo_s: float | None = None) -> int:
+                    tbt_slo_s: float | None = None, cache_salt: str | None = None) -> int:
         """Queue a request; returns its id. Raises ``EngineError`` for invalid input.
 
-        ``ttft_slo_s``/``tbt_slo_s`` override the engine's SLOs for this request.
+        ``ttft_slo_s``/``tbt_slo_s`` override the engine's SLOs for this request;
+        ``cache_salt`` keeps its prompt's cached KV apart from other salts' (tenants).
         """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise EngineError("cache_salt must be a non-empty string", "cache_salt")
         for name, slo in (("ttft_slo_s", ttft_slo_s), ("tbt_slo_s", tbt_slo_s)):
             if slo is not None and not slo > 0:
                 raise EngineError(f"{name} must be positive")
@@ -260,7 +269,8 @@ class Engine:
                 raise EngineError(str(exc), param="structured_outputs") from None
         request = Request(id=rid, arrival_s=now, prompt_len=len(ids), max_new_tokens=max_new,
                           ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
-                          prompt_token_ids=tuple(ids), sampling=spec)
+                          prompt_token_ids=tuple(ids), sampling=spec,
+                          cache_salt=cache_salt or "")
         if not self.core.add(request):
             raise EngineError(f"the request needs more KV cache ({len(ids)} + {max_new} "
                               "tokens) than one rank holds")
@@ -310,8 +320,11 @@ class Engine:
                 if live is None:  # aborted while the step ran
                     continue
                 tracker = live.tracker
+                cached = None
                 if live.first_token_s is None:
                     live.first_token_s = now
+                    st = self.scheduler.state(rid)
+                    cached = st.cached_tokens if st is not None else 0
                 live.token_times.append(now)
                 n_top = tracker.params.logprobs
                 top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
@@ -326,7 +339,8 @@ class Engine:
                         delta += tracker.stop()
                 outputs.append(StepOutput(
                     rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
-                    [tracker.logprobs[-1]] if tracker.logprobs is not None else None))
+                    [tracker.logprobs[-1]] if tracker.logprobs is not None else None,
+                    cached))
                 if tracker.finished:
                     self.scheduler.finish(rid)
 

@@ -83,6 +83,11 @@ class RankInputs:
     transfer_src: jax.Array  # i32[N, X]   prefill-view pages to move (one page group each)
     transfer_dst: jax.Array  # i32[N, X*N] decode pages here of the groups this rank
     #                                       receives, in arrival order (pad: num_pages)
+    # Prefix-cache loads share the transfer bucket (X groups = X*N decode pages per rank):
+    # each rank sends every other rank its head shard of the cached decode pages it owns.
+    load_src: jax.Array  # i32[N, X*N]   cached decode pages here to send (pad: any page)
+    load_dst: jax.Array  # i32[N, N*X*N] per received page (source s, index j at s*X*N+j):
+    #                                     prefill sub-page here = page*N + offset (pad: -1)
     sample: SampleRows
 
 
@@ -149,7 +154,9 @@ class StepBatch:
             num_decode=np.zeros((n,), i32), prefill_slot=np.full((n, n * p), -1, i32),
             prefill_pages=np.zeros((n, s, layout.prefill_pages_per_seq), i32),
             transfer_src=np.zeros((n, x), i32),
-            transfer_dst=np.full((n, x * n), layout.num_pages, i32), sample=sample)
+            transfer_dst=np.full((n, x * n), layout.num_pages, i32),
+            load_src=np.zeros((n, x * n), i32), load_dst=np.full((n, n * x * n), -1, i32),
+            sample=sample)
         shared = SharedInputs(
             perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
             cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),

@@ -327,15 +327,30 @@ class JaxExecutor:
         # (what the ragged all-to-all sends).
         completing = sorted((p for p in plan.prefill if p.completes),
                             key=lambda p: -1 if p.decode_rank is None else p.decode_rank)
-        groups_moved = sum(len(p.pages[0]) for p in completing if p.pages)
+        groups_moved = sum(len(p.pages[0]) - self._resident_groups(p)
+                           for p in completing if p.pages)
         if groups_moved > self.planner.transfer_groups:
             raise ValueError(f"plan moves {groups_moved} KV page groups to decode ranks; a "
                              f"step moves at most {self.planner.transfer_groups}")
+        # Cached prefixes loaded from their owners, in page groups per sending rank: they
+        # share the transfer bucket (a step with either compiles both).
+        loaded = [0] * n
+        for piece in plan.prefill:
+            if piece.load_pages:
+                if piece.load_rank is None or len(piece.load_pages) * ps != piece.start:
+                    raise ValueError(f"request {piece.request_id} loads "
+                                     f"{len(piece.load_pages)} cached pages for a chunk "
+                                     f"starting at {piece.start}")
+                loaded[piece.load_rank] += len(piece.load_pages)
+        load_groups = -(-max(loaded) // n)
+        if load_groups > self.planner.transfer_groups:
+            raise ValueError(f"plan loads {max(loaded)} cached pages from one rank; a step "
+                             f"loads at most {self.planner.transfer_groups * n}")
         shape = self.planner.shape_for(
             prefill_max=max(n_p), decode_max=max(n_d),
             combined_max=max(a + b for a, b in zip(n_p, n_d, strict=True)),
             decode_pages_max=max((len(s.pages) for s in plan.decode), default=1),
-            transfer_max=groups_moved)
+            transfer_max=max(groups_moved, load_groups))
         p = shape.prefill
         batch = self._padding(shape, plan)
         a, meta, rows_in = batch.rank, batch.shared, batch.rank.sample
@@ -395,6 +410,10 @@ class JaxExecutor:
                            piece.sample_step)
         for piece in completing:
             self._fill_transfer(batch, piece)
+        sent = [0] * n
+        for piece in plan.prefill:
+            if piece.load_pages:
+                self._fill_load(batch, piece, sent)
         meta.cu_q_lens[len(plan.prefill) + 1:] = kernel_pos
         meta.num_seqs[0] = len(plan.prefill)
         if p:
@@ -464,13 +483,36 @@ class JaxExecutor:
         if meta.transfer_count[d] == 0:
             meta.transfer_start[d] = x_slot
         received = int(meta.transfer_count[d])  # the groups' index on arrival at d
-        for g in range(len(piece.pages[0])):
+        # Groups wholly inside the cached prefix resident on d stay; in the group that
+        # straddles it, the resident pages' destinations are dropped.
+        first = self._resident_groups(piece)
+        resident = piece.resident_tokens // self.exec_config.page_size
+        for j, g in enumerate(range(first, len(piece.pages[0]))):
             for r in range(n):
-                a.transfer_src[r, x_slot + g] = piece.pages[r][g]
+                a.transfer_src[r, x_slot + j] = piece.pages[r][g]
             for m in range(n):
-                if g * n + m < len(dst):
-                    a.transfer_dst[d, (received + g) * n + m] = dst[g * n + m]
-        meta.transfer_count[d] += len(piece.pages[0])
+                if resident <= g * n + m < len(dst):
+                    a.transfer_dst[d, (received + j) * n + m] = dst[g * n + m]
+        meta.transfer_count[d] += len(piece.pages[0]) - first
+
+    def _resident_groups(self, piece: PrefillPiece) -> int:
+        """Page groups of a completing piece already wholly on its decode rank."""
+        return piece.resident_tokens // (self.exec_config.page_size * self.num_ranks)
+
+    def _fill_load(self, batch: StepBatch, piece: PrefillPiece, sent: list[int]) -> None:
+        """Load slots copying a cached prefix from its owner into the piece's prefill
+        pages: cached page j (positions j*ps..) is prefill sub-page j % N of page j // N."""
+        n = self.num_ranks
+        a = batch.rank
+        owner = piece.load_rank
+        assert owner is not None
+        per_rank = a.load_src.shape[1]
+        for j, page in enumerate(piece.load_pages):
+            y = sent[owner]
+            sent[owner] += 1
+            a.load_src[owner, y] = page
+            for q in range(n):
+                a.load_dst[q, owner * per_rank + y] = piece.pages[q][j // n] * n + j % n
 
     def transfer_bytes(self, batch: StepBatch) -> int:
         """Bytes one step's KV transfer sends over links (K and V, every layer): each moved

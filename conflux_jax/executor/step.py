@@ -5,7 +5,9 @@ Per rank and per layer (DESIGN.md §3, paper §4):
 1. QKV on the rank's whole token buffer (prefill + decode tokens: one GEMM).
 2. Prefill slice ``[P]``: all-to-all over ``sp`` (sequence-sharded -> head-sharded), write
    K/V into this rank's head-sharded pages (the prefill view of the pool), ragged paged
-   attention over every prefill sequence of the iteration, all-to-all back. Requests whose
+   attention over every prefill sequence of the iteration, all-to-all back. A chunk after
+   a prefix-cache hit first receives its cached prefix's head shard from the owner rank
+   (one all-to-all into this rank's prefill pages). Requests whose
    final chunk ran move their KV, page group by page group, to their decode rank only (a
    ragged all-to-all sized by the groups that complete; none compiled when none do).
 3. Decode slice ``[D]``: write K/V into rank-local full-head pages, paged attention over
@@ -119,6 +121,9 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
                 return a[meta.perm]
 
             qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
+            if x_groups:
+                kp = _load_cached(kp, layer, base, b, view)
+                vp = _load_cached(vp, layer, base, b, view)
             kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
             vp = _write_stacked(vp, layer, va, b.prefill_slot, view)
             if x_groups:
@@ -198,6 +203,27 @@ def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base:
     # [N(head shard), X, ps*N, Hkv/N, d] -> [X, ps*N, Hkv, d] -> N decode pages per group
     full = jnp.moveaxis(recv.reshape(n, x, *src.shape[1:]), 0, 2).reshape(x * n, ps, hkv, hd)
     return pool.at[layer, b.transfer_dst].set(full, mode="drop")
+
+
+def _load_cached(pool: jax.Array, layer: jax.Array, base: jax.Array, b: RankInputs,
+                 view: tuple[int, ...]) -> jax.Array:
+    """Copy cached prefixes' KV from their owners' decode pages into prefill pages.
+
+    pool f[L, pages, ps, Hkv, d]; ``view`` the prefill view of one layer. Every rank sends
+    head shard q of each cached page it owns (``b.load_src``) to rank q: a dense
+    all-to-all, since every rank needs a slice of every page. A received page lands in
+    one ``ps``-token sub-page of a prefill page (``b.load_dst``; -1 drops padding).
+    """
+    _, _, ps, hkv, hd = pool.shape
+    n = view[1] // ps
+    src = _layers_as_pages(pool, pool.shape[1:])[b.load_src + base]  # [Y, ps, Hkv, d]
+    y = src.shape[0]
+    shards = jnp.moveaxis(src.reshape(y, ps, n, hkv // n, hd), 2, 0)  # [N, Y, ps, Hkv/N, d]
+    recv = jax.lax.all_to_all(shards.reshape(n * y, ps, hkv // n, hd), SP, 0, 0, tiled=True)
+    slots = jnp.where(b.load_dst[:, None] >= 0,
+                      b.load_dst[:, None] * ps + jnp.arange(ps, dtype=jnp.int32), -1)
+    return _write_stacked(pool, layer, recv.reshape(n * y * ps, hkv // n, hd),
+                          slots.reshape(-1), view)
 
 
 def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:

@@ -100,12 +100,16 @@ class BatchShape:
 
 
 def transfer_tokens(plan: IterationPlan, num_ranks: int) -> int:
-    """KV tokens the plan's completing prefills move to the busiest decode rank (a
-    completing request moves its whole prompt, ``start + length`` positions)."""
+    """KV tokens the plan moves to (or, loading a cached prefix, from) the busiest rank:
+    a completing request moves its prompt, ``start + length`` positions less those
+    already resident on its decode rank; a chunk after a prefix-cache hit loads the
+    ``start`` cached positions from their owner."""
     moved = [0] * num_ranks
     for p in plan.prefill:
         if p.completes and p.decode_rank is not None:
-            moved[p.decode_rank] += p.start + p.length
+            moved[p.decode_rank] += p.start + p.length - p.resident_tokens
+        if p.load_rank is not None:
+            moved[p.load_rank] += p.start
     return max(moved, default=0)
 
 

@@ -17,11 +17,21 @@ The scheduler owns the block manager (as vLLM keeps its KV cache manager beside 
 scheduler) and copies the page ids it allocated into each plan; executors never read it.
 
 Page ids are per rank: every rank has its own free list, ids ``0..num_pages-1``.
+
+Prefix caching (:mod:`~conflux_jax.scheduler.prefix_cache`): full decode pages are named
+by chained hashes once their KV is written (:meth:`BlockManager.register`) and outlive
+their request in the rank's LRU free queue. A request that starts with a cached prefix
+takes those pages (:meth:`BlockManager.acquire_hit`); if it later decodes on that rank
+they become the head of its decode pages (already resident: nothing moves), otherwise
+they are released when its prefill pages are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+from conflux_jax.scheduler.prefix_cache import PageHash, RankPages
 
 
 class BlockManagerError(RuntimeError):
@@ -43,7 +53,7 @@ class PageTable:
 
 class _Alloc:
     __slots__ = ("prefill", "prefill_tokens", "decode_rank", "decode", "decode_tokens",
-                 "prefill_view", "decode_view")
+                 "prefill_view", "decode_view", "hit_rank", "hits", "resident")
 
     def __init__(self) -> None:
         self.prefill: list[list[int]] | None = None
@@ -53,6 +63,9 @@ class _Alloc:
         self.decode_tokens = 0
         self.prefill_view: tuple[tuple[int, ...], ...] = ()  # snapshots for plans
         self.decode_view: tuple[int, ...] = ()
+        self.hit_rank: int | None = None  # rank of the cached prefix pages in ``hits``
+        self.hits: list[int] = []  # acquired cached pages not (yet) part of ``decode``
+        self.resident = 0  # leading decode pages that were cache hits (KV already there)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -68,9 +81,7 @@ class BlockManager:
         self.num_ranks = num_ranks
         self.num_pages = num_pages
         self.page_size = page_size
-        # Pop from the end: low page ids are handed out first (deterministic tables).
-        self._free: list[list[int]] = [list(range(num_pages - 1, -1, -1))
-                                       for _ in range(num_ranks)]
+        self._ranks = [RankPages(num_pages) for _ in range(num_ranks)]
         self._reqs: dict[int, _Alloc] = {}
 
     # ---- sizes -------------------------------------------------------------------
@@ -83,16 +94,22 @@ class BlockManager:
         return _cdiv(tokens, self.page_size)
 
     def free_pages(self, rank: int) -> int:
-        return len(self._free[rank])
+        """Pages an allocation on ``rank`` may take (cached-but-free ones included)."""
+        return self._ranks[rank].num_free()
 
     def used_pages(self, rank: int) -> int:
-        return self.num_pages - len(self._free[rank])
+        return self.num_pages - self._ranks[rank].num_free()
 
     def utilization(self, rank: int) -> float:
-        return 1.0 - len(self._free[rank]) / self.num_pages
+        """vLLM's KV usage: cached pages nobody reads count as free."""
+        return 1.0 - self._ranks[rank].num_free() / self.num_pages
 
     def min_free_pages(self) -> int:
-        return min(len(f) for f in self._free)
+        return min(r.num_free() for r in self._ranks)
+
+    def cached_pages(self, rank: int) -> int:
+        """Pages of ``rank`` the prefix cache names (in use or free)."""
+        return self._ranks[rank].num_cached()
 
     def __contains__(self, req: int) -> bool:
         return req in self._reqs
@@ -100,6 +117,46 @@ class BlockManager:
     @property
     def requests(self) -> list[int]:
         return list(self._reqs)
+
+    # ---- prefix cache ------------------------------------------------------------
+    def longest_hit(self, hashes: Sequence[PageHash]) -> tuple[int, list[int]]:
+        """(rank, pages) of the rank caching the longest leading run of ``hashes``
+        (lowest rank on ties; ``(-1, [])`` when no rank has the first page)."""
+        best_rank, best = -1, []
+        for r, pages in enumerate(self._ranks):
+            hit = pages.longest_hit(hashes)
+            if len(hit) > len(best):
+                best_rank, best = r, hit
+        return best_rank, best
+
+    def acquire_hit(self, req: int, rank: int, pages: Sequence[int]) -> None:
+        """``req`` (holding nothing yet) takes the cached prefix ``pages`` of ``rank``."""
+        if req in self._reqs:
+            raise BlockManagerError(f"request {req} already holds pages")
+        self._ranks[rank].acquire(pages)
+        a = self._reqs[req] = _Alloc()
+        a.hit_rank, a.hits = rank, list(pages)
+
+    def hit(self, req: int) -> tuple[int | None, tuple[int, ...]]:
+        """The cached prefix ``req`` holds outside its decode pages: (rank, pages)."""
+        a = self._get(req)
+        return a.hit_rank, tuple(a.hits)
+
+    def resident_pages(self, req: int) -> int:
+        """Leading decode pages of ``req`` that were cache hits (their KV is in place)."""
+        return self._get(req).resident
+
+    def register(self, req: int, hashes: Sequence[PageHash]) -> None:
+        """Name ``req``'s leading decode pages by ``hashes`` (their KV has been written)."""
+        a = self._get(req)
+        if a.decode is None or a.decode_rank is None:
+            raise BlockManagerError(f"request {req} is not decoding")
+        self._ranks[a.decode_rank].register(a.decode, hashes)
+
+    def clear_cache(self) -> None:
+        """Forget every cached page (the executor lost its KV)."""
+        for pages in self._ranks:
+            pages.clear()
 
     # ---- prefill -----------------------------------------------------------------
     def can_allocate_prefill(self, req: int, total_tokens: int) -> bool:
@@ -124,41 +181,46 @@ class BlockManager:
         need = self.prefill_pages_for(total_tokens) - len(a.prefill[0])
         if need > 0:
             if need > self.min_free_pages():
-                if not a.prefill[0]:
+                if not a.prefill[0] and not a.hits:
                     del self._reqs[req]
                 raise OutOfPagesError(
                     f"request {req}: prefill of {total_tokens} tokens needs {need} more pages "
                     f"per rank, only {self.min_free_pages()} free on the fullest rank")
-            for r in range(self.num_ranks):
-                free = self._free[r]
-                a.prefill[r].extend(free.pop() for _ in range(need))
+            for r, pages in enumerate(self._ranks):
+                a.prefill[r].extend(pages.take(need))
             a.prefill_view = tuple(tuple(p) for p in a.prefill)
         a.prefill_tokens = max(a.prefill_tokens, total_tokens)
         return a.prefill
 
     # ---- transition + decode ------------------------------------------------------
     def can_transition(self, rank: int, tokens: int, headroom_pages: int = 0) -> bool:
-        return self.decode_pages_for(tokens) + headroom_pages <= len(self._free[rank])
+        return self.decode_pages_for(tokens) + headroom_pages <= self.free_pages(rank)
 
     def transition(self, req: int, rank: int, tokens: int,
                    keep_prefill: bool = False) -> list[int]:
         """Allocate full-head decode pages for ``tokens`` tokens on ``rank``.
 
-        The prefill pages are freed on every rank unless ``keep_prefill`` (the executor
-        still reads them during the completing step; call :meth:`release_prefill` after).
+        A cached prefix ``req`` holds on ``rank`` becomes the head of its decode pages
+        (only the rest is allocated). The prefill pages (and a cached prefix held on
+        another rank) are freed unless ``keep_prefill`` (the executor still reads them
+        during the completing step; call :meth:`release_prefill` after).
         """
         a = self._reqs.get(req)
         if a is None:
             a = self._reqs[req] = _Alloc()
         if a.decode is not None:
             raise BlockManagerError(f"request {req} already transitioned to rank {a.decode_rank}")
-        need = self.decode_pages_for(tokens)
-        free = self._free[rank]
-        if need > len(free):
+        resident = a.hits if a.hit_rank == rank else []
+        need = self.decode_pages_for(tokens) - len(resident)
+        pages = self._ranks[rank]
+        if need > pages.num_free():
             raise OutOfPagesError(f"request {req}: decode KV of {tokens} tokens needs {need} "
-                                  f"pages on rank {rank}, {len(free)} free")
+                                  f"pages on rank {rank}, {pages.num_free()} free")
         a.decode_rank = rank
-        a.decode = [free.pop() for _ in range(need)]
+        a.decode = [*resident, *pages.take(max(0, need))]
+        a.resident = len(resident)
+        if resident:
+            a.hit_rank, a.hits = None, []
         a.decode_view = tuple(a.decode)
         a.decode_tokens = tokens
         if not keep_prefill:
@@ -166,21 +228,26 @@ class BlockManager:
         return a.decode
 
     def release_prefill(self, req: int) -> None:
-        """Free the head-sharded prefill pages of ``req`` on every rank (no-op if none)."""
+        """Free the head-sharded prefill pages of ``req`` on every rank, and a cached
+        prefix it holds outside its decode pages (no-op if none)."""
         a = self._get(req)
         if a.prefill is not None:
             for r, pages in enumerate(a.prefill):
-                self._free[r].extend(reversed(pages))
+                self._ranks[r].release(pages)
             a.prefill = None
             a.prefill_view = ()
             a.prefill_tokens = 0
+        if a.hits:
+            assert a.hit_rank is not None
+            self._ranks[a.hit_rank].release(a.hits)
+            a.hit_rank, a.hits = None, []
 
     def can_append_decode(self, req: int, new_len: int) -> bool:
         a = self._get(req)
         if a.decode is None or a.decode_rank is None:
             return False
         need = self.decode_pages_for(new_len) - len(a.decode)
-        return need <= len(self._free[a.decode_rank])
+        return need <= self.free_pages(a.decode_rank)
 
     def append_decode(self, req: int, new_len: int) -> list[int]:
         """Grow ``req``'s decode KV to ``new_len`` tokens; returns the newly added page ids."""
@@ -190,10 +257,10 @@ class BlockManager:
         need = self.decode_pages_for(new_len) - len(a.decode)
         added: list[int] = []
         if need > 0:
-            free = self._free[a.decode_rank]
-            if need > len(free):
+            pages = self._ranks[a.decode_rank]
+            if need > pages.num_free():
                 raise OutOfPagesError(f"request {req}: rank {a.decode_rank} is out of pages")
-            added = [free.pop() for _ in range(need)]
+            added = pages.take(need)
             a.decode.extend(added)
             a.decode_view = tuple(a.decode)
         a.decode_tokens = max(a.decode_tokens, new_len)
@@ -201,15 +268,13 @@ class BlockManager:
 
     # ---- release -----------------------------------------------------------------
     def free(self, req: int) -> None:
-        """Return every page of ``req`` to its rank's free list."""
-        a = self._reqs.pop(req, None)
-        if a is None:
+        """Drop every page of ``req`` (tail first); cached ones stay cached, free."""
+        if req not in self._reqs:
             raise BlockManagerError(f"free of unknown request {req} (double free?)")
-        if a.prefill is not None:
-            for r, pages in enumerate(a.prefill):
-                self._free[r].extend(reversed(pages))
+        self.release_prefill(req)
+        a = self._reqs.pop(req)
         if a.decode is not None and a.decode_rank is not None:
-            self._free[a.decode_rank].extend(reversed(a.decode))
+            self._ranks[a.decode_rank].release(a.decode)
 
     def page_table(self, req: int) -> PageTable:
         a = self._get(req)
@@ -229,16 +294,21 @@ class BlockManager:
         return self._get(req).decode_rank
 
     def check_consistency(self) -> None:
-        """Every page is either free or owned by exactly one request (tests use this)."""
-        for r in range(self.num_ranks):
-            owned: list[int] = list(self._free[r])
+        """Every page is free (cached or not) or held, and its refcount is the number of
+        requests holding it (tests use this)."""
+        for r, pages in enumerate(self._ranks):
+            owners: list[int] = []
             for a in self._reqs.values():
                 if a.prefill is not None:
-                    owned.extend(a.prefill[r])
+                    owners.extend(a.prefill[r])
                 if a.decode is not None and a.decode_rank == r:
-                    owned.extend(a.decode)
-            if sorted(owned) != list(range(self.num_pages)):
-                raise BlockManagerError(f"rank {r}: pages leaked or double-owned")
+                    owners.extend(a.decode)
+                if a.hit_rank == r:
+                    owners.extend(a.hits)
+            try:
+                pages.check(owners)
+            except ValueError as exc:
+                raise BlockManagerError(f"rank {r}: {exc}") from exc
 
     def _get(self, req: int) -> _Alloc:
         a = self._reqs.get(req)

@@ -47,6 +47,8 @@ class SchedulerConfig:
     # the TBT budget; 0 = none (the paper's policy: prefill waits for budget). An idle
     # instance always runs one ``quantum``.
     min_prefill_chunk: int = 0
+    # Automatic prefix caching (vLLM's default): prompts reuse cached KV of full pages.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.order not in ("slo", "fcfs", "srpt"):

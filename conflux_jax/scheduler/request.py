@@ -16,10 +16,13 @@ class Request:
 
     ``ttft_slo_s``/``tbt_slo_s`` override the instance's SLOs for this request (the
     server's per-request SLO extension); None = the instance default.
-    ``cached_prefix``: leading prompt tokens whose KV a prefix cache already holds, so
-    they are never prefilled (only the simulator sets it; at least one token is left).
-    ``prompt_token_ids`` and ``sampling`` travel into the plans (the executor reads
-    nothing else); simulated requests have no token ids.
+    ``cached_prefix``: leading prompt tokens assumed already cached by an *unbounded*
+    free cache (the simulator's labelled upper bound only; the real prefix cache is the
+    block manager's). ``prompt_token_ids`` and ``sampling`` travel into the plans (the
+    executor reads nothing else); simulated requests have no token ids, and may name
+    their prompt's content by ``block_ids`` instead (a trace's hash ids, one per
+    ``block_tokens`` tokens) so the prefix cache can still match them.
+    ``cache_salt`` isolates tenants: prompts share cached KV only with the same salt.
     """
 
     id: int
@@ -31,6 +34,9 @@ class Request:
     cached_prefix: int = 0
     prompt_token_ids: tuple[int, ...] = ()
     sampling: SamplingSpec = GREEDY
+    cache_salt: str = ""
+    block_ids: tuple[int, ...] = ()
+    block_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1:
@@ -59,6 +65,14 @@ class RequestState:
     preemptions: int = 0
     pages: tuple[int, ...] = ()  # decode-view page ids (the block manager's snapshot)
     output_ids: list[int] = dataclasses.field(default_factory=list)  # sampled so far
+    # Prefix cache: hashes of the full pages whose content is known so far, the cached
+    # prefix this prefill found (``cache_pages`` on ``cache_rank``, loaded by its first
+    # chunk) and how many prompt tokens the first prefill took from the cache.
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    cache_rank: int = -1
+    cache_pages: tuple[int, ...] = ()
+    cached: int = 0  # prefix tokens of the current prefill served by the cache
+    cached_tokens: int = 0  # the same, of the first prefill (the usage statistic)
 
     @property
     def id(self) -> int:

@@ -22,6 +22,15 @@ Guarantees:
   pages, the latest-arrived in-progress prefill is preempted;
 * requests that could never fit one rank are refused by ``add`` (the caller aborts them).
 
+Prefix caching (``SchedulerConfig.enable_prefix_caching``): a waiting request looks up
+its prompt's full pages in the block manager's cache; the longest hit on any rank (its
+*owner*) is taken when its prefill starts, so only the rest is prefilled, priced and
+admitted. Its first chunk loads the cached KV's head shards from the owner into the
+prefill pages of every rank (Ulysses attention reads them like its own earlier chunks);
+its decode home is the owner when the owner has room (the cached pages then stay where
+they are and only the new KV moves), otherwise the placement rule's rank. Pages are
+named in the cache at ``commit``, once their KV is written.
+
 ``abort``/``finish`` between ``schedule`` and ``commit`` take effect at ``commit`` so an
 executor never reads freed pages.
 """
@@ -37,6 +46,7 @@ from conflux_jax.scheduler.admission import moore_hodgson
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
 from conflux_jax.scheduler.placement import place_decode
+from conflux_jax.scheduler.prefix_cache import block_id_page_keys, chain_hashes, token_page_keys
 from conflux_jax.scheduler.request import Request, RequestState
 from conflux_jax.scheduler.waterfill import Dispatcher, waterfill_assign
 
@@ -53,6 +63,7 @@ class _Tentative:
     in_plan: set[int] = dataclasses.field(default_factory=set)
     placed: int = 0  # completing chunks so far
     moved: int = 0  # KV page groups those completions move to decode ranks
+    loaded: list[int] = dataclasses.field(default_factory=list)  # cached pages sent, per rank
 
 
 class Scheduler:
@@ -81,6 +92,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._tau = config.tbt_slo_s  # this iteration's TBT bound (per-request SLOs)
         self._penalized: set[int] = set()  # requests whose tokens go into plan.histories
+        self._caching = config.enable_prefix_caching
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which were served from it
 
     # ---- request intake and exit ----------------------------------------------------
     def fits(self, req: Request) -> bool:
@@ -126,6 +140,7 @@ class Scheduler:
         for st in list(self._states.values()):
             if st.id in self.blocks:
                 self._preempt(st, preempted)
+        self.blocks.clear_cache()
         return preempted
 
     def _drop(self, request_id: int) -> None:
@@ -230,6 +245,8 @@ class Scheduler:
                 rid, rank = st.id, p.decode_rank
                 assert rank is not None
                 bm.release_prefill(rid)
+                if self._caching and result is not None:  # only KV that was written
+                    bm.register(rid, self._hashes(st, st.prefilled))
                 del self._pending[rid]
                 st.phase = "decode"
                 st.rank = rank
@@ -246,11 +263,14 @@ class Scheduler:
                     finished.append(rid)
         ctx = self._ctx
         decodes = self._decodes
+        ps = bm.page_size if self._caching and result is not None else 0
         for d in plan.decode:
             st = decodes.get(d.request_id)
             if st is None:
                 continue
             st.kv_len += 1
+            if ps and st.kv_len % ps == 0:  # a page filled: it can serve later prompts
+                bm.register(d.request_id, self._hashes(st, st.kv_len))
             ctx[d.rank] += 1
             st.generated += 1
             if sampled is not None:
@@ -314,6 +334,7 @@ class Scheduler:
         st.target = st.req.prompt_len + st.generated
         st.kv_len = st.kv_cap = 0
         st.prefilled = st.req.cached_prefix  # the cache still holds the prefix
+        st.cached, st.cache_rank, st.cache_pages = 0, -1, ()  # looked up again
         st.rank = -1
         st.pages = ()
         st.preemptions += 1
@@ -336,6 +357,8 @@ class Scheduler:
         overdue: list[RequestState] = []
         for st in self._pending.values():
             if st.id not in skip:
+                if self._caching and st.phase == "waiting":
+                    self._look_up(st)
                 (overdue if st.deadline_s < overdue_before else cands).append(st)
         overdue.sort(key=lambda s: (s.req.arrival_s, s.id))
         order = self.cfg.order
@@ -362,6 +385,28 @@ class Scheduler:
         completes. Returns the decode rank, -1 (not completing), _SKIP or _STOP."""
         bm = self.blocks
         started = st.phase == "prefill"
+        if not started and st.cache_pages:
+            rank_h, hit = bm.longest_hit(st.page_hashes[:len(st.cache_pages)])
+            if rank_h != st.cache_rank or tuple(hit) != st.cache_pages:
+                self._look_up(st)  # evicted since it was priced: plan it again next time
+                return _SKIP
+            bm.acquire_hit(st.id, rank_h, hit)
+        rank = self._reserve_pages(st, completes, started, tent_ctx, tent_n, in_plan, placed)
+        if not started:
+            if rank in (_SKIP, _STOP):
+                if st.id in bm:  # give back the cached prefix it took
+                    bm.free(st.id)
+            elif self._caching:
+                self.prefix_queries += st.target
+                self.prefix_hits += st.cached
+                if st.preemptions == 0:
+                    st.cached_tokens = st.cached
+        return rank
+
+    def _reserve_pages(self, st: RequestState, completes: bool, started: bool,
+                       tent_ctx: list[int], tent_n: list[int], in_plan: set[int],
+                       placed: int) -> int:
+        bm = self.blocks
         pre_need = 0 if started else bm.prefill_pages_for(st.target)
         if pre_need > bm.min_free_pages():
             return _SKIP
@@ -369,10 +414,15 @@ class Scheduler:
         if completes:
             need = bm.decode_pages_for(st.target + 1)
             cap = self.cfg.max_decodes_per_rank
+            owner, hit = bm.hit(st.id) if st.id in bm else (None, ())
             while True:
                 free = [bm.free_pages(r) - pre_need for r in range(self.n)]
                 if cap is not None:  # a full rank is infeasible however much KV it has
                     free = [-1 if tent_n[r] >= cap else f for r, f in enumerate(free)]
+                if owner is not None and \
+                        need - len(hit) + self.cfg.headroom_pages <= free[owner]:
+                    rank = owner  # affinity: the cached prefix stays where it is
+                    break
                 got = place_decode(need, free, bm.num_pages, tent_ctx, self.cfg.eta,
                                    self.cfg.headroom_pages)
                 if got is not None:
@@ -397,6 +447,34 @@ class Scheduler:
             tent_n[rank] += 1
         return rank
 
+    # ---- prefix cache ---------------------------------------------------------------
+    def _hashes(self, st: RequestState, tokens: int) -> list[bytes]:
+        """Hashes of ``st``'s full pages among its first ``tokens`` tokens, as far as their
+        content is known (token ids, or a trace's block ids for the prompt)."""
+        ps = self.blocks.page_size
+        want = tokens // ps
+        have = st.page_hashes
+        if len(have) < want:
+            req = st.req
+            if req.prompt_token_ids:
+                keys = token_page_keys(st.token_ids(len(have) * ps, want * ps), ps)
+            elif req.block_ids:
+                keys = block_id_page_keys(req.block_ids, req.block_tokens, ps,
+                                          min(want * ps, req.prompt_len), len(have))
+            else:
+                keys = []
+            have.extend(chain_hashes(keys, have[-1] if have else None, req.cache_salt))
+        return have[:want]
+
+    def _look_up(self, st: RequestState) -> None:
+        """Price a waiting request by its longest cached prefix (at least its last token
+        is computed: it samples the first output)."""
+        if st.req.cached_prefix:
+            return
+        rank, pages = self.blocks.longest_hit(self._hashes(st, st.target - 1))
+        st.cache_rank, st.cache_pages = rank, tuple(pages)
+        st.cached = st.prefilled = len(pages) * self.blocks.page_size
+
     def _claim(self, st: RequestState, length: int, tent: _Tentative) -> tuple[int, bool, int]:
         """Reserve KV for a ``length``-token chunk of ``st``; returns (length, completes, rank).
 
@@ -405,6 +483,9 @@ class Scheduler:
         (not completing), _SKIP (try the next candidate) or _STOP (stop admitting).
         """
         completes = length == st.remaining
+        loads = len(st.cache_pages) if self._load(st) else 0
+        if loads and not self._load_fits(st.cache_rank, loads, tent):
+            return length, completes, _SKIP
         if completes and not self._transfer_fits(st, tent.moved):
             if length == 1:
                 return length, False, _SKIP
@@ -414,6 +495,8 @@ class Scheduler:
             return length, completes, rank
         tent.placed += completes
         tent.moved += self.blocks.prefill_pages_for(st.target) if completes else 0
+        if loads:
+            tent.loaded[st.cache_rank] += loads
         tent.in_plan.add(st.id)
         return length, completes, rank
 
@@ -422,12 +505,27 @@ class Scheduler:
         """The plan's prefill piece for a claimed chunk: tokens, pages and sampling."""
         bm = self.blocks
         start = st.prefilled
+        loads = bool(st.cache_pages) and start == st.cached  # the first chunk after a hit
         return PrefillPiece(
             st.id, start, counts, completes, rank if completes else None,
             token_ids=st.token_ids(start, start + sum(counts)),
             pages=bm.prefill_pages(st.id),
             decode_pages=bm.decode_pages(st.id) if completes else (),
-            sampling=st.req.sampling, sample_step=st.generated)
+            sampling=st.req.sampling, sample_step=st.generated,
+            load_rank=st.cache_rank if loads else None,
+            load_pages=st.cache_pages if loads else (),
+            resident_tokens=bm.resident_pages(st.id) * bm.page_size if completes else 0)
+
+    def _load(self, st: RequestState) -> int:
+        """Cached prefix tokens the next chunk of ``st`` loads from its owner rank."""
+        return st.cached if st.cache_pages and st.prefilled == st.cached else 0
+
+    def _load_fits(self, owner: int, pages: int, tent: _Tentative) -> bool:
+        """Can this iteration also load ``pages`` cached pages from ``owner``? Loads share
+        the executor's transfer bucket: ``max_transfer_groups`` groups of N pages."""
+        cap = self.cfg.max_transfer_groups
+        return cap is None or tent.loaded[owner] == 0 or \
+            tent.loaded[owner] + pages <= cap * self.n
 
     def _transfer_fits(self, st: RequestState, moved: int) -> bool:
         """Can this iteration also move ``st``'s KV to a decode rank (executor limit)?"""
@@ -444,7 +542,7 @@ class Scheduler:
         if not self._pending:
             return pieces, disp.estimate()
         self._preempted_now = preempted
-        tent = _Tentative(list(ctx), list(n_d))
+        tent = _Tentative(list(ctx), list(n_d), loaded=[0] * self.n)
         max_pieces = self.cfg.max_prefill_pieces
         cands, n_overdue = self._candidates(now, preempted, disp)
         for i, st in enumerate(cands):  # Alg. 1 line 5
@@ -453,7 +551,8 @@ class Scheduler:
             if st.id in preempted:
                 continue
             rem = st.remaining
-            length, add = disp.dispatch(rem, st.prefilled)  # Alg. 1 line 6 (Alg. 2)
+            load = self._load(st)
+            length, add = disp.dispatch(rem, st.prefilled, load)  # Alg. 1 line 6 (Alg. 2)
             # A chunk that runs even past the TBT budget (the plan then says it does not
             # fit): the oldest overdue request always progresses (bounded waiting), an
             # idle instance runs one quantum rather than stall, and busy ones at least
@@ -483,8 +582,10 @@ class Scheduler:
             if length < asked:  # completion held back: take the token off the fullest rank
                 add = list(add)
                 add[max(range(self.n), key=add.__getitem__)] -= asked - length
-            disp.commit(add, st.prefilled, rank if completes else None)  # Alg. 1 line 13
-            pieces.append(self._piece(st, tuple(add), completes, rank))
+            piece = self._piece(st, tuple(add), completes, rank)
+            disp.commit(add, st.prefilled, rank if completes else None,  # Alg. 1 line 13
+                        piece.resident_tokens, st.cache_rank, load)
+            pieces.append(piece)
         return pieces, disp.estimate()
 
     def _room(self, loads: list[int]) -> int:
@@ -499,7 +600,7 @@ class Scheduler:
         budget = self._static_budget()
         pieces: list[PrefillPiece] = []
         self._preempted_now = preempted
-        tent = _Tentative(list(self._ctx), list(self._n_d))
+        tent = _Tentative(list(self._ctx), list(self._n_d), loaded=[0] * self.n)
         n_p = [0] * n
         a_p = 0.0
         moved = [0] * n  # KV tokens completing prefills move to each decode rank
@@ -523,10 +624,13 @@ class Scheduler:
             for r, c in enumerate(counts):
                 n_p[r] += c
             a_p += attention_work(length, st.prefilled)
+            piece = self._piece(st, counts, completes, rank)
             if completes:
-                moved[rank] += st.prefilled + length
+                moved[rank] += st.prefilled + length - piece.resident_tokens
+            if piece.load_rank is not None:
+                moved[piece.load_rank] += piece.start
             budget -= length
-            pieces.append(self._piece(st, counts, completes, rank))
+            pieces.append(piece)
         if isolated:
             est = self.model.iteration(max(n_p), max(n_p), a_p, 0.0, max(moved))
         else:

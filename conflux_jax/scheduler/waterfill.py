@@ -99,11 +99,13 @@ class Dispatcher:
         add = [level - x if x < level else 0 for x in self.loads]
         return self.estimate(add) <= self.tau
 
-    def _fits_chunk(self, length: int, c: int, m: int) -> tuple[bool, list[int]]:
+    def _fits_chunk(self, length: int, c: int, m: int, load: int = 0
+                    ) -> tuple[bool, list[int]]:
         """Does a ``length``-token chunk fit; the chunk that completes (``length == m``)
-        also moves the request's ``c + m`` KV tokens to its decode rank."""
+        also moves the request's ``c + m`` KV tokens to its decode rank, and a chunk
+        after a prefix-cache hit first loads the ``load`` cached tokens."""
         add = waterfill_assign(self.loads, length)
-        moved = c + m if length == m else 0
+        moved = (c + m if length == m else 0) + load
         return self.estimate(add, attention_work(length, c), moved) <= self.tau, add
 
     def _search_levels(self, k_lo: int, k_hi: int, fits) -> int:  # noqa: ANN001
@@ -130,8 +132,9 @@ class Dispatcher:
         level = k * q
         return capacity_at(self.loads, level), level
 
-    def dispatch(self, m: int, c: int) -> tuple[int, list[int]]:
-        """Largest TBT-safe chunk of a request with ``m`` tokens left after ``c`` done.
+    def dispatch(self, m: int, c: int, load: int = 0) -> tuple[int, list[int]]:
+        """Largest TBT-safe chunk of a request with ``m`` tokens left after ``c`` done
+        (``load``: cached prefix tokens the chunk loads first).
 
         Returns ``(length, per-rank additions)``; length 0 means no budget is left.
         """
@@ -148,14 +151,14 @@ class Dispatcher:
         k_hi = min(-(-level_for(self.loads, m_eff) // q), self.max_level // q)
         k = self._search_levels(
             k_lo, k_hi,
-            lambda k: self._fits_chunk(min(m_eff, capacity_at(self.loads, k * q)), c, m)[0])
+            lambda k: self._fits_chunk(min(m_eff, capacity_at(self.loads, k * q)), c, m, load)[0])
         lo = min(m_eff, capacity_at(self.loads, k * q))  # feasible (or 0)
         hi = min(m_eff, capacity_at(self.loads, min((k + 1) * q, self.max_level)))
-        if hi > lo and not self._fits_chunk(hi, c, m)[0]:
+        if hi > lo and not self._fits_chunk(hi, c, m, load)[0]:
             hi -= 1
             while lo < hi:  # refine at token granularity inside the next quantum
                 mid = (lo + hi + 1) // 2
-                if self._fits_chunk(mid, c, m)[0]:
+                if self._fits_chunk(mid, c, m, load)[0]:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -165,9 +168,12 @@ class Dispatcher:
             return 0, [0] * n
         return lo, waterfill_assign(self.loads, lo)
 
-    def commit(self, add: Sequence[int], c: int, decode_rank: int | None = None) -> None:
+    def commit(self, add: Sequence[int], c: int, decode_rank: int | None = None,
+               resident: int = 0, load_rank: int = -1, load: int = 0) -> None:
         """Accumulate a dispatched chunk (assignment ``add``, prior context ``c``); a chunk
-        that completes its prefill moves ``c + length`` KV tokens to ``decode_rank``."""
+        that completes its prefill moves ``c + length`` KV tokens to ``decode_rank``, less
+        the ``resident`` cached ones already there; one that loads a cached prefix moves
+        ``load`` tokens from ``load_rank``."""
         length = 0
         for r, a in enumerate(add):
             if a:
@@ -176,4 +182,6 @@ class Dispatcher:
                 length += a
         self.a_p += attention_work(length, c)
         if decode_rank is not None:
-            self.moved[decode_rank] += c + length
+            self.moved[decode_rank] += c + length - resident
+        if load:
+            self.moved[load_rank] += load

@@ -25,6 +25,7 @@ import random
 from collections.abc import Sequence
 
 from conflux_jax.latency import BatchShape, LatencyModel, attention_work
+from conflux_jax.scheduler.prefix_cache import RankPages, block_id_page_keys, chain_hashes
 from conflux_jax.scheduler.request import Request
 from conflux_jax.sim.driver import RequestRecord, SimReport
 
@@ -73,9 +74,41 @@ class MuxLatency:
         return self.iteration(load, shape.n_p[0], shape.a_p, self.decode_path(shape.w_d[0]))
 
 
-def _uncached(r: Request) -> int:
-    """Prompt tokens the prefill instance must compute (a cached prefix is skipped)."""
-    return r.prompt_len - r.cached_prefix
+class _PrefillCache:
+    """One prefill instance's prefix cache: the engine's page pool and chained hashes
+    (:mod:`~conflux_jax.scheduler.prefix_cache`) over that instance's KV pool. A
+    prefill's pages are cached-free as soon as its KV has left for a decode instance."""
+
+    def __init__(self, kv_tokens: int, page_size: int) -> None:
+        self.pages = RankPages(max(1, kv_tokens // page_size))
+        self.ps = page_size
+        self._hashes: dict[int, list[bytes]] = {}
+
+    def hashes(self, r: Request) -> list[bytes]:
+        h = self._hashes.get(r.id)
+        if h is None:
+            keys = block_id_page_keys(r.block_ids, r.block_tokens, self.ps,
+                                      r.prompt_len) if r.block_ids else []
+            h = self._hashes[r.id] = chain_hashes(keys, salt=r.cache_salt)
+        return h
+
+    def hit(self, r: Request) -> list[int]:
+        """Cached pages of ``r``'s prefix (its last token is always computed)."""
+        return self.pages.longest_hit(self.hashes(r)[:(r.prompt_len - 1) // self.ps])
+
+    def take(self, r: Request, hit: list[int]) -> list[int] | None:
+        """Hold ``r``'s prefix hit and pages for the rest of its prompt (None: no room)."""
+        self.pages.acquire(hit)
+        need = -(-r.prompt_len // self.ps) - len(hit)
+        if need > self.pages.num_free():
+            self.pages.release(hit)
+            return None
+        return hit + self.pages.take(need)
+
+    def done(self, r: Request, pages: list[int]) -> None:
+        """``r``'s KV is written: name its full pages, then let them go (cached-free)."""
+        self.pages.register(pages, self.hashes(r))
+        self.pages.release(pages)
 
 
 def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyModel,
@@ -84,9 +117,13 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
                            order: str = "fcfs", max_batch_tokens: int = 16384,
                            link_bw: float = 450e9 * 0.8, prefill_replicas: int = 1,
                            decode_replicas: int = 1, noise: float = 0.0,
-                           seed: int = 0) -> SimReport:
+                           seed: int = 0, prefill_kv_tokens: int = 0,
+                           page_size: int = 16) -> SimReport:
     """Discrete-event run of ``prefill_replicas`` prefill and ``decode_replicas`` decode
     instances (each N = 1; ``decode_kv_tokens`` is one decode instance's pool).
+
+    ``prefill_kv_tokens`` > 0 gives each prefill instance a prefix cache of that many
+    tokens (requests that name their blocks hit it); 0 = no prefix caching.
 
     The next prefill batch goes to the first free prefill instance; a transferred KV goes
     to the first decode instance that has room for it. ``noise`` is the truth's relative
@@ -108,6 +145,15 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
     queue: list[Request] = []
     transfer: list[tuple[float, int, Request]] = []  # (ready time, id, request) heap
     iters = 0
+    caches = [_PrefillCache(prefill_kv_tokens, page_size) for _ in range(prefill_replicas)] \
+        if prefill_kv_tokens else []
+    queries = hits = 0
+
+    def cached(r: Request, k: int) -> int:
+        """Prompt tokens prefill instance ``k`` would not compute for ``r``."""
+        if r.cached_prefix or not caches:
+            return r.cached_prefix
+        return len(caches[k].hit(r)) * page_size
 
     def emit(rid: int, t: float) -> None:
         recs[rid].token_at(t, ttft_slo_s, tbt_slo_s)
@@ -132,15 +178,28 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
                 queue.append(reqs[i])
                 i += 1
             if order == "srpt":
-                queue.sort(key=lambda r: (_uncached(r), r.arrival_s))
-            batch, tokens = [], 0
-            while queue and (not batch or tokens + _uncached(queue[0]) <= max_batch_tokens):
-                r = queue.pop(0)
+                queue.sort(key=lambda r: (r.prompt_len - cached(r, p_k), r.arrival_s))
+            batch, tokens, a_p, held = [], 0, 0.0, []
+            while queue:
+                r = queue[0]
+                c = cached(r, p_k)
+                if batch and tokens + r.prompt_len - c > max_batch_tokens:
+                    break
+                if caches and not r.cached_prefix:
+                    pages = caches[p_k].take(r, caches[p_k].hit(r))
+                    if pages is None and batch:
+                        break  # the instance's pool is full: the rest waits
+                    held.append((r, pages or []))
+                    queries += r.prompt_len
+                    hits += c
+                queue.pop(0)
                 batch.append(r)
-                tokens += _uncached(r)
-            a_p = sum(attention_work(_uncached(r), r.cached_prefix) for r in batch)
+                tokens += r.prompt_len - c
+                a_p += attention_work(r.prompt_len - c, c)
             t = t_p[p_k] = t + jitter(prefill_model.iteration(tokens, tokens, a_p, 0.0))
             iters += 1
+            for r, pages in held:
+                caches[p_k].done(r, pages)
             for r in batch:
                 emit(r.id, t)
                 if r.max_new_tokens == 1:
@@ -179,4 +238,4 @@ def simulate_disaggregated(requests: Sequence[Request], prefill_model: LatencyMo
             recs[rid].finish_s = t
     return SimReport(records=list(recs.values()), iterations=iters,
                      sim_seconds=max(t_p + t_d), busy_seconds=0.0, preemptions=0,
-                     slo_claim_violations=0)
+                     slo_claim_violations=0, prefix_queries=queries, prefix_hits=hits)

@@ -50,6 +50,12 @@ class SimReport:
     busy_seconds: float
     preemptions: int
     slo_claim_violations: int  # plans claiming to fit whose priced latency exceeded TBT
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which it served
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     @property
     def attainment(self) -> float:
@@ -111,4 +117,6 @@ def simulate(requests: Sequence[Request], scheduler: Scheduler, executor: SimExe
             raise RuntimeError(f"simulation exceeded {max_iterations} iterations")
     return SimReport(records=list(recs.values()), iterations=iters, sim_seconds=executor.now(),
                      busy_seconds=executor.busy_s, preemptions=scheduler.num_preemptions,
-                     slo_claim_violations=claim_violations)
+                     slo_claim_violations=claim_violations,
+                     prefix_queries=scheduler.prefix_queries,
+                     prefix_hits=scheduler.prefix_hits)

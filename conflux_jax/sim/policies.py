@@ -105,6 +105,9 @@ class InstanceSpec:
     token_budget: int | None = None  # Chunked; None: the largest TBT-safe per the estimate
     mux_headroom: float = 0.05  # MuxWise: decode's SM share sized for (1 - this) * TBT
     split: DisaggSplit | None = None  # DistServe; None: the paper's TP-G/2 + TP-G/2
+    # The engine's prefix cache, bounded by the simulated KV pool (requests that name
+    # their blocks hit it); DistServe's prefill instances get the same cache.
+    prefix_caching: bool = True
 
     @property
     def mode(self) -> str:
@@ -168,7 +171,8 @@ def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecu
     sp, tp = mesh_for(mode, spec.gpus)
     pages = kv_tokens_per_rank(spec.model, spec.hardware, tp) // PAGE_SIZE
     kw: dict = dict(tbt_slo_s=spec.tbt_slo_s, ttft_slo_s=spec.ttft_slo_s, order=order,
-                    mode=mode, overdue_grace_s=None if spec.bounded_wait else math.inf)
+                    mode=mode, overdue_grace_s=None if spec.bounded_wait else math.inf,
+                    enable_prefix_caching=spec.prefix_caching)
     if mode == "mux":
         kw["mode"] = "conflux"  # one TP rank whose largest TBT-safe chunk waterfill finds
         kw["max_tokens_per_rank"] = tokens_per_rank(mode)
@@ -250,7 +254,9 @@ def run_policy(spec: InstanceSpec, requests: list[Request]) -> SimReport:
             requests, pre, dec, kv_tokens_per_rank(spec.model, spec.hardware, split.decode_tp),
             shape.kv_bytes_per_token_layer * shape.num_layers, spec.ttft_slo_s,
             spec.tbt_slo_s, order=order, prefill_replicas=split.prefill_replicas,
-            decode_replicas=split.decode_replicas, noise=spec.noise, seed=spec.seed)
+            decode_replicas=split.decode_replicas, noise=spec.noise, seed=spec.seed,
+            prefill_kv_tokens=kv_tokens_per_rank(spec.model, spec.hardware, split.prefill_tp)
+            if spec.prefix_caching else 0, page_size=PAGE_SIZE)
     sched, ex = build_instance(spec)
     return simulate(requests, sched, ex, spec.ttft_slo_s, spec.tbt_slo_s)
 

@@ -76,9 +76,10 @@ def test_goodput_and_workloads() -> None:
     assert max(r.prompt_len + r.max_new_tokens for r in reqs) <= 32_768
 
 
-def test_sim_prefix_cache_needs_hashes_and_raises_attainment(tmp_path, capsys) -> None:
+def test_sim_prefix_cache_is_bounded_by_default_and_raises_attainment(tmp_path, capsys
+                                                                       ) -> None:
     with pytest.raises(SystemExit):
-        main(["sim", "--prefix-cache", "--rates", "1"])  # toolagent-like: no hash ids
+        main(["sim", "--unbounded-prefix-cache", "--rates", "1"])  # toolagent: no hash ids
     assert "Mooncake trace" in capsys.readouterr().err
     # 60 requests resending one 16K-token context plus a fresh block: with the cache only
     # the fresh block is prefilled, so the same rate is served far better.
@@ -86,14 +87,20 @@ def test_sim_prefix_cache_needs_hashes_and_raises_attainment(tmp_path, capsys) -
              "hash_ids": list(range(32)) + [1000 + i]} for i in range(60)]
     trace = tmp_path / "shared.jsonl"
     trace.write_text("\n".join(json.dumps(r) for r in rows))
-    got = {}
-    for flag in ([], ["--prefix-cache"]):
+    got, hit = {}, {}
+    for flag in ([], ["--no-prefix-caching"]):
         out = tmp_path / f"s{len(flag)}.json"
         assert main(["sim", "--model", "llama3.1-8b", "--trace", str(trace), "--rates", "8",
                      "--num-requests", "60", "--policies", "ConfluxServe", "Chunked",
-                     "--no-sweep", "--json", str(out), *flag]) == 0
+                     "DistServe", "--no-sweep", "--json", str(out), *flag]) == 0
         d = json.loads(out.read_text())
-        assert d["prefix_cache"] == bool(flag)
-        got[bool(flag)] = {p: rows[0]["attainment"] for p, rows in d["results"].items()}
+        assert ("bounded" in (d["prefix_cache_model"] or "")) == (not flag)
+        got[not flag] = {p: rows[0]["attainment"] for p, rows in d["results"].items()}
+        hit[not flag] = {p: rows[0]["prefix_hit_rate"] for p, rows in d["results"].items()}
+    assert "prefix hit %" in capsys.readouterr().out
+    # every policy, baselines included, reuses the shared 16K tokens of all but the first
+    assert all(h > 0.9 for h in hit[True].values()), hit
+    assert all(h == 0 for h in hit[False].values()), hit
     assert got[True]["Chunked"] > got[False]["Chunked"] + 0.5
     assert got[True]["ConfluxServe"] >= got[False]["ConfluxServe"]
+    assert got[True]["DistServe"] >= got[False]["DistServe"]

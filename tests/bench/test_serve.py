@@ -13,7 +13,13 @@ from tiny_models import TINY_LLAMA
 import conflux_jax.bench.serve as serve
 from conflux_jax.bench.__main__ import main
 from conflux_jax.bench.metrics import RequestResult, summarize
-from conflux_jax.bench.serve_workload import ServeRequest
+from conflux_jax.bench.serve_workload import (
+    LengthScaling,
+    Row,
+    ServeRequest,
+    multi_turn,
+    reusable_tokens,
+)
 from conflux_jax.engine import Engine, EngineConfig
 from conflux_jax.executor.buckets import BucketConfig
 from conflux_jax.executor.jax_executor import ExecutorConfig
@@ -23,7 +29,7 @@ from conflux_jax.tokenizer import Tokenizer
 needs4 = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
 
 
-def tiny_engine(*_: object, **__: object) -> Engine:
+def tiny_engine(*_: object, enable_prefix_caching: bool = True, **__: object) -> Engine:
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
         {f"w{i}": i for i in range(TINY_LLAMA.vocab_size)}, unk_token="w0"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -31,7 +37,8 @@ def tiny_engine(*_: object, **__: object) -> Engine:
                         buckets=BucketConfig(tokens=(8, 32), decode=(16,), max_prefill_seqs=4))
     return Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=1, scale=0.2),
                   Tokenizer(backend, eos_token_ids=(2,)),
-                  EngineConfig(executor=ec, ttft_slo_s=5.0, tbt_slo_s=1.0))
+                  EngineConfig(executor=ec, ttft_slo_s=5.0, tbt_slo_s=1.0,
+                               enable_prefix_caching=enable_prefix_caching))
 
 
 @needs4
@@ -50,9 +57,12 @@ def _sse(request: httpx.Request) -> httpx.Response:
     body = json.loads(request.content)
     assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
     n = body["max_tokens"]
-    chunks = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(n)]
+    chunks = [{"choices": [{"index": 0, "text": f" t{i}", "token_ids": [50 + i]}]}
+              for i in range(n)]
+    cached = 4 * ((len(body["prompt"]) - 1) // 8)  # a stand-in for the server's count
     chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                            "completion_tokens": n}})
+                                            "completion_tokens": n,
+                                            "prompt_tokens_details": {"cached_tokens": cached}}})
     text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
     return httpx.Response(200, content=text.encode(),
                           headers={"content-type": "text/event-stream"})
@@ -97,3 +107,54 @@ def test_serve_cli_in_process_on_conversation_trace(tmp_path, monkeypatch, capsy
     assert d["rates"]["2"]["completed"] == 6 and d["rates"]["2"]["deadline_attainment"] == 1.0
     text = capsys.readouterr().out
     assert "Serving Benchmark Result @ 8 req/s" in text and "goodput_rps" in text
+
+
+def test_run_server_sends_follow_up_turns_with_the_answers_it_got() -> None:
+    reqs = [ServeRequest(0.0, [5, 6, 7], 2), ServeRequest(0.0, [9], 3, follows=0),
+            ServeRequest(0.0, [8], 1, follows=1)]
+    results, _ = serve.run_server("http://mock", "m", reqs, transport=httpx.MockTransport(_sse))
+    assert [r.prompt_ids for r in results] == [[5, 6, 7], [5, 6, 7, 50, 51, 9],
+                                               [5, 6, 7, 50, 51, 9, 50, 51, 52, 8]]
+    assert all(b.send_s >= a.token_times[-1] for a, b in zip(results, results[1:], strict=False))
+    assert [r.cached_tokens for r in results] == [0, 0, 4]  # read from usage
+
+
+def test_multi_turn_chats_and_the_brute_force_reuse_count() -> None:
+    rows = [Row(float(i), 640, 64, (i % 2, 10 + i)) for i in range(6)]
+    reqs = multi_turn(rows, 3, LengthScaling(1 / 32, 1 / 16), LengthScaling(1 / 64), (3, 99))
+    assert [r.follows for r in reqs] == [None, 0, 1, None, 3, 4]
+    assert [len(r.prompt_ids) for r in reqs] == [20, 10, 10, 20, 10, 10]
+    # brute force by hand, pages of 4: B repeats A's 8 tokens (+1 of its own, +3 fresh);
+    # C repeats B's whole KV but its last generated token (never fed back)
+    a, b_out = [1] * 4 + [2] * 4, [7, 7]
+    b = a + [3] * 4
+    c = b + b_out + [4]
+    assert reusable_tokens([a, b, c], [[5], b_out, [6]], 4) == 8 + 12
+    assert reusable_tokens([a, b, c], [[5], b_out, [6]], 4, pool_pages=1) == 0 + 0
+    assert reusable_tokens([a, a + [9]], [[5, 5], [5]], 4) == 8  # the last token computes
+
+
+@needs4
+def test_serve_cli_prefix_caching_ab_on_a_multi_turn_replay(tmp_path, monkeypatch, capsys
+                                                            ) -> None:
+    """Caching on vs off on the same chats: the engine's cached tokens are counted by the
+    replay and match what the replay made reusable; off caches nothing."""
+    monkeypatch.setattr(serve, "engine_from_model", tiny_engine)
+    rows = [{"timestamp": 10 * i, "input_length": 1500, "output_length": 64,
+             "hash_ids": [0, 1, 100 + i]} for i in range(6)]
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "ab.json"
+    assert main(["serve", "--trace", str(trace), "--num-prompts", "6", "--turns", "3",
+                 "--rates", "4", "--prompt-scale", "0.01", "--max-prompt-len", "16",
+                 "--output-scale", "0.1", "--max-output-len", "6", "--turn-prompt-scale",
+                 "0.004", "--ttft-slo", "30", "--tbt-slo", "10", "--max-model-len", "128",
+                 "--warmup", "0", "--prefix-caching-ab", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    on, off = (t["rates"]["4"] for t in d["targets"].values())
+    assert on["completed"] == off["completed"] == 6
+    assert off["total_cached_tokens"] == 0 and on["total_cached_tokens"] > 0
+    ab = d["prefix_caching_ab"]["4"]
+    assert ab["cached_tokens"] == on["total_cached_tokens"]
+    assert ab["cached_over_reusable_in_pool"] >= 0.9
+    assert "prefix caching on vs off" in capsys.readouterr().out

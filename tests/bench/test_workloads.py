@@ -49,16 +49,20 @@ def test_at_rate_caches_only_what_sampled_requests_sent(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     base, hashes = load_trace(str(path)), load_trace_hashes(str(path))
-    reqs = at_rate(base, 2.0, 10, 100_000, seed=3, hashes=hashes)
-    # block 7 is shared by all; the second block is unique: the first sampled request
-    # prefills everything, every later one has exactly one block cached.
+    named = at_rate(base, 2.0, 10, 100_000, seed=3, hashes=hashes)
+    # by default the requests name their blocks for the engine's (bounded) cache
+    assert all(r.cached_prefix == 0 and r.block_tokens == TRACE_BLOCK_TOKENS for r in named)
+    assert {r.block_ids[0] for r in named} == {7} and len({r.block_ids for r in named}) == 10
+    reqs = at_rate(base, 2.0, 10, 100_000, seed=3, hashes=hashes, unbounded_cache=True)
+    # the unbounded upper bound: block 7 is shared by all; the second block is unique: the
+    # first sampled request prefills everything, every later one has one block cached.
     assert [r.cached_prefix for r in reqs] == [0] + [TRACE_BLOCK_TOKENS] * 9
     plain = at_rate(base, 2.0, 10, 100_000, seed=3)
     assert [(r.arrival_s, r.prompt_len) for r in plain] == \
         [(r.arrival_s, r.prompt_len) for r in reqs]  # the same sample either way
     assert all(r.cached_prefix == 0 for r in plain)
     # a cap below the cached run still leaves one token to prefill
-    short = at_rate(base, 2.0, 10, 300, seed=3, hashes=hashes)
+    short = at_rate(base, 2.0, 10, 300, seed=3, hashes=hashes, unbounded_cache=True)
     assert all(r.cached_prefix == (0 if i == 0 else r.prompt_len - 1)
                for i, r in enumerate(short))
 

@@ -9,6 +9,7 @@ tokenizer, ``json``.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,21 @@ def _text(body: dict[str, Any], i: int = 0) -> str:
 
 def _ok(_: Any, body: dict[str, Any]) -> None:  # a documented no-op: accepted
     assert body["choices"]
+
+
+def _salted(server: Any, body: dict[str, Any]) -> None:
+    """cache_salt: a prompt shares cached KV only with requests of the same salt."""
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    prompt = "Once upon a time there was a tiny model that liked tests. " * 4
+    salt = f"tenant-{uuid.uuid4().hex}"
+
+    def cached(salt: str) -> int:
+        return _greedy(server, "completions", prompt=prompt, cache_salt=salt
+                       )["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(salt) == 0  # a new tenant starts cold
+    assert cached(salt) > 0  # its second request reuses its own prefix
+    assert cached(salt + "-other") == 0  # another tenant's does not
 
 
 def _same_as_greedy(route: str) -> Check:
@@ -191,7 +207,7 @@ VLLM: dict[str, Any] = {
     "logits_processors": (["x"], None),
     "return_tokens_as_token_ids": (True, None),
     "return_token_ids": (True, "token_ids"),
-    "cache_salt": ("s", None),
+    "cache_salt": ("s", _salted),
     "kv_transfer_params": ({}, None),
     "vllm_xargs": ({"a": 1}, None),
     "ttft_slo_ms": (5000.0, _ok),  # ours: the scheduler's SLO (test_serving_api)

@@ -164,7 +164,8 @@ def test_raw_sse_by_hand(server):
     assert all(p["object"] == "text_completion" for p in payloads)
     assert payloads[-1]["usage"] == {"prompt_tokens": payloads[-1]["usage"]["prompt_tokens"],
                                      "completion_tokens": 5,
-                                     "total_tokens": payloads[-1]["usage"]["prompt_tokens"] + 5}
+                                     "total_tokens": payloads[-1]["usage"]["prompt_tokens"] + 5,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
     assert payloads[-2]["choices"][0]["finish_reason"] == "length"
 
 

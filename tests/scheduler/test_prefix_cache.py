@@ -1,0 +1,197 @@
+"""The prefix cache: chained page hashes, one rank's LRU page pool, and the scheduler's use
+of both over random shared-prefix workloads (simulated executor)."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from conflux_jax.latency.roofline import roofline_model
+from conflux_jax.plan import KVSpec
+from conflux_jax.scheduler.block_manager import BlockManager
+from conflux_jax.scheduler.config import SchedulerConfig
+from conflux_jax.scheduler.prefix_cache import (
+    RankPages,
+    block_id_page_keys,
+    chain_hashes,
+    token_page_keys,
+)
+from conflux_jax.scheduler.request import Request
+from conflux_jax.scheduler.scheduler import Scheduler
+from conflux_jax.sim import SimExecutor
+
+PS = 4
+
+
+def hashes(tokens, salt=""):
+    return chain_hashes(token_page_keys(tokens, PS), salt=salt)
+
+
+def test_chained_hashes_name_whole_prefixes():
+    a = hashes(list(range(16)))
+    assert len(a) == 4 and len(set(a)) == 4
+    assert hashes(list(range(13))) == a[:3]  # only full pages are named
+    changed = list(range(16))
+    changed[9] = 99  # page 2
+    b = hashes(changed)
+    assert b[:2] == a[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
+    assert not set(hashes(list(range(16)), salt="t")) & set(a)  # salts never share
+    # extending a chain from its last hash is the same as hashing the whole
+    assert chain_hashes(token_page_keys(list(range(8, 16)), PS), parent=a[1]) == a[2:]
+
+
+def test_trace_block_ids_name_pages_by_block_and_offset():
+    keys = block_id_page_keys([7, 8], block_tokens=8, page_size=PS, num_tokens=14)
+    assert len(keys) == 3  # 14 tokens: 3 full pages (the fourth is partial)
+    again = block_id_page_keys([7, 9], block_tokens=8, page_size=PS, num_tokens=16)
+    assert keys[:2] == again[:2] and keys[2] != again[2]
+
+
+def test_rank_pool_evicts_least_recently_freed_cached_pages_tail_first():
+    pool = RankPages(6)
+    a = pool.take(3)
+    pool.register(a, hashes(list(range(12))))
+    pool.release(a)  # tail first: a[2] is the oldest free cached page
+    assert pool.num_free() == 6 and pool.num_cached_free() == 3
+    assert pool.longest_hit(hashes(list(range(12)))) == a
+    fresh = pool.take(3)  # uncached free pages go first: nothing evicted
+    assert not set(fresh) & set(a) and pool.num_cached() == 3
+    pool.take(1)  # now the LRU's head: the prefix's last page
+    assert pool.longest_hit(hashes(list(range(12)))) == a[:2]
+    pool.acquire(a[:2])  # a hit leaves the LRU queue
+    assert pool.num_cached_free() == 0 and pool.refcount(a[0]) == 1
+    pool.check([*fresh, *a[:2], a[2]])
+
+
+def test_duplicates_keep_the_first_copy_and_clear_forgets_everything():
+    pool = RankPages(4)
+    h = hashes(list(range(8)))
+    a, b = pool.take(2), pool.take(2)
+    pool.register(a, h)
+    pool.register(b, h)  # a recompute of the same prefix: already cached
+    assert pool.longest_hit(h) == a and pool.num_cached() == 2
+    pool.release(b)
+    pool.release(a)
+    pool.clear()
+    assert pool.num_cached() == 0 and pool.num_free() == 4 and pool.longest_hit(h) == []
+
+
+PREFIXES = [list(range(100 + 40 * i, 100 + 40 * i + n)) for i, n in enumerate((9, 23, 40))]
+
+
+def _workload(seed: int, count: int) -> list[Request]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(count):
+        t += rng.expovariate(20.0)
+        prefix = rng.choice(PREFIXES)[:rng.randint(1, 40)]
+        prompt = prefix + [rng.randint(3, 99) for _ in range(rng.randint(1, 30))]
+        out.append(Request(i, t, len(prompt), rng.randint(1, 40),
+                           prompt_token_ids=tuple(prompt), cache_salt=rng.choice(["", "x"])))
+    return out
+
+
+def _run(reqs: list[Request], n: int, num_pages: int, abort_frac: float, seed: int,
+         mode: str = "conflux"):
+    cfg = SchedulerConfig(tbt_slo_s=0.05, ttft_slo_s=1.0, mode=mode,  # type: ignore[arg-type]
+                          order="fcfs" if mode != "conflux" else "slo", quantum=4,
+                          max_tokens_per_rank=64, headroom_pages=1, token_budget=64,
+                          max_transfer_groups=4)
+    model = roofline_model("qwen3-14b", "h100", sp=n, tp=4 // n)
+    bm = BlockManager(n, num_pages, PS)
+    sched = Scheduler(cfg, model, bm)
+    ex = SimExecutor(model, KVSpec(n, num_pages, PS))
+    rng = random.Random(seed)
+    pending = sorted(reqs, key=lambda r: r.arrival_s)
+    loads, preempted_then_hit, seen_preempted = 0, 0, set()
+    while pending or sched.has_work:
+        while pending and pending[0].arrival_s <= ex.now():
+            sched.add(pending.pop(0))
+        if not sched.has_work:
+            if not pending:
+                break  # the rest could never fit and were refused
+            ex.advance_to(pending[0].arrival_s)
+            continue
+        plan = sched.schedule(ex.now())
+        seen_preempted |= set(plan.preempted)
+        for p in plan.prefill:
+            if p.load_pages:
+                loads += 1
+                preempted_then_hit += p.request_id in seen_preempted
+                assert p.start == PS * len(p.load_pages)
+                assert p.load_rank is not None
+                assert p.resident_tokens <= p.start
+        if rng.random() < abort_frac and plan.request_ids:
+            sched.abort(rng.choice(plan.request_ids))  # mid-iteration: deferred
+        sched.commit(plan, ex.execute(plan) if not plan.empty else None)
+        bm.check_consistency()
+    return sched, bm, loads, preempted_then_hit
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=hs.integers(0, 10_000), n=hs.sampled_from([1, 2, 4]),
+       num_pages=hs.sampled_from([24, 40, 200]), abort_frac=hs.sampled_from([0.0, 0.2]),
+       mode=hs.sampled_from(["conflux", "tp_chunked", "isolated"]))
+def test_random_shared_prefix_runs_leave_every_page_free(seed, n, num_pages, abort_frac,
+                                                         mode):
+    if mode == "tp_chunked":
+        n = 1
+    sched, bm, _, _ = _run(_workload(seed, 40), n, num_pages, abort_frac, seed, mode)
+    assert not bm.requests
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(n))
+    assert 0 <= sched.prefix_hits <= sched.prefix_queries
+
+
+def test_hits_are_priced_and_preempted_requests_find_their_own_prefix():
+    sched, bm, loads, preempted_then_hit = _run(_workload(1, 120), 4, 24, 0.0, 1)
+    assert loads > 10 and sched.prefix_hits > 0.2 * sched.prefix_queries
+    assert sched.num_preemptions > 0 and preempted_then_hit > 0
+    assert sum(bm.cached_pages(r) for r in range(4)) > 0  # cached pages outlive requests
+
+
+def _two_ranks() -> tuple[Scheduler, BlockManager, SimExecutor]:
+    model = roofline_model("qwen3-14b", "h100", sp=2, tp=2)
+    bm = BlockManager(2, 64, PS)
+    sched = Scheduler(SchedulerConfig(tbt_slo_s=1.0, ttft_slo_s=10.0, quantum=4), model, bm)
+    return sched, bm, SimExecutor(model, KVSpec(2, 64, PS))
+
+
+def test_a_hit_prefills_only_the_uncached_suffix_and_decodes_on_the_owner():
+    sched, bm, ex = _two_ranks()
+    prompt = tuple(range(3, 30))  # 27 tokens: 6 full pages
+    for rid, p in ((0, prompt), (1, prompt + (5, 6))):
+        sched.add(Request(rid, 0.0, len(p), 2, prompt_token_ids=p))
+        plan = sched.schedule(ex.now())
+        (piece,) = plan.prefill
+        if rid == 0:
+            owner = piece.decode_rank
+            assert not piece.load_pages
+        else:
+            assert (piece.start, piece.length) == (24, 5)  # 6 cached pages, 5 tokens left
+            assert piece.load_rank == owner and len(piece.load_pages) == 6
+            assert piece.decode_rank == owner and piece.resident_tokens == 24
+            assert sched.state(1).cached_tokens == 24
+        sched.commit(plan, ex.execute(plan))
+    assert sched.prefix_queries == 27 + 29 and sched.prefix_hits == 24
+    while sched.has_work:
+        plan = sched.schedule(ex.now())
+        sched.commit(plan, ex.execute(plan))
+    # both decoded on the owner; the shared pages were freed once each, then cached-free
+    bm.check_consistency()
+    assert bm.cached_pages(owner) >= 6
+
+
+def test_lost_kv_forgets_the_cache():
+    sched, bm, ex = _two_ranks()
+    p = tuple(range(3, 30))
+    sched.add(Request(0, 0.0, len(p), 8, prompt_token_ids=p))
+    for _ in range(3):
+        plan = sched.schedule(ex.now())
+        sched.commit(plan, ex.execute(plan))
+    # 6 prompt pages, and the 7th once the first decoded token filled it (outputs are
+    # cached too: a conversation's next turn resends them)
+    assert sum(bm.cached_pages(r) for r in range(2)) == 7
+    assert sched.recompute_all() == [0]
+    assert sum(bm.cached_pages(r) for r in range(2)) == 0
+    plan = sched.schedule(ex.now())
+    assert plan.prefill[0].start == 0 and not plan.prefill[0].load_pages
