@@ -342,12 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                              lambda reqs, e=engine: run_engine(e, reqs),
                              kv.num_pages * kv.num_ranks))
 
-    def make(rate: float) -> list[ServeRequest]:
+    def make(rate: float, seed: int = args.seed) -> list[ServeRequest]:
         picked = at_rate(rows if args.turns == 1 else rows[:args.num_prompts], rate,
                          args.num_prompts, args.seed)
         if args.turns > 1:  # consecutive rows keep a chat's turns together
-            return multi_turn(picked, args.turns, scaling, turn_scaling, vocab, args.seed)
-        return synthesize(picked, scaling, vocab, args.seed)
+            return multi_turn(picked, args.turns, scaling, turn_scaling, vocab, seed)
+        return synthesize(picked, scaling, vocab, seed)
 
     sample = make(1.0)
     lens = {"prompt": percentiles([len(r.prompt_ids) for r in sample]),
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.max_turn_prompt_len}) to the resent conversation")
     runs = {}
     for label, run, pool in variants:
-        if args.warmup:
-            first = [r for r in sample if r.follows is None][:args.warmup]
+        if args.warmup:  # other tokens than the measured prompts: it leaves them uncached
+            first = [r for r in make(1.0, args.seed + 1) if r.follows is None][:args.warmup]
             run([ServeRequest(0.0, r.prompt_ids, r.max_tokens) for r in first])
         per_rate = sweep(run, make, args.rates, args.bisect, args.ttft_slo, args.tbt_slo,
                          pool_pages=pool)

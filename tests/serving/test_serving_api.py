@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -204,6 +205,30 @@ def test_metrics_count_the_requests_sent(server, client):
                   "vllm:kv_cache_usage_perc"):
         assert (gauge, label) in after
     assert after[("vllm:kv_cache_usage_perc", label)] == 0.0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
+    """The openai client sees usage.prompt_tokens_details.cached_tokens, and /metrics
+    counts the queried and the cached prompt tokens."""
+    server.wait_idle()
+    before = _scrape(server)
+    prompt = "w7 w8 w9 " * 12 + f"w{uuid.uuid4().int % 200 + 3}"  # fresh: not cached yet
+    first = _greedy(client, prompt=prompt, max_tokens=2)
+    second = _greedy(client, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    n = second.usage.prompt_tokens
+    assert cached == 8 * ((n - 1) // 8)  # every full page of 8 but the last token's
+    assert second.choices[0].text == first.choices[0].text
+    server.wait_idle()
+    after = _scrape(server)
+    label = (("model_name", "tiny"),)
+
+    def delta(name):
+        return after.get((name, label), 0) - before.get((name, label), 0)
+
+    assert delta("vllm:prefix_cache_queries_total") == 2 * n
+    assert delta("vllm:prefix_cache_hits_total") == cached
 
 
 def test_sse_events_survive_unicode_line_separators():
