@@ -57,12 +57,12 @@ def _save_word_tokenizer(folder: Path, vocab: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_gguf_checkpoint):
     path = default_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return hf, tok, load_checkpoint(path)
+    return hf, tok, smollm2_gguf_checkpoint
 
 
 @pytest.mark.slow
