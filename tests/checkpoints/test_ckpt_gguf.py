@@ -196,7 +196,7 @@ def test_real_smollm2_gguf_config():
 
 @pytest.mark.slow
 @pytest.mark.reference
-def test_real_smollm2_qk_match_transformers_gguf_code():
+def test_real_smollm2_qk_match_transformers_gguf_code(smollm2_gguf_checkpoint):
     """transformers dequantizes (its own torch kernels) and un-permutes GGUFs with code
     independent of ours: every Q/K projection of the real file (the permuted ones), plus
     one tensor per other quant type, must agree with what we load."""
@@ -204,7 +204,7 @@ def test_real_smollm2_qk_match_transformers_gguf_code():
     dequant = pytest.importorskip("transformers.integrations.gguf.dequant")
     gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
     path = _smollm2_gguf()
-    ckpt = load_checkpoint(path)
+    ckpt = smollm2_gguf_checkpoint  # load_checkpoint(path), shared with other modules
     c = ckpt.config
     proc = gguf_utils.LlamaTensorProcessor(config={"num_attention_heads": c.num_heads,
                                                    "num_key_value_heads": c.num_kv_heads})

@@ -57,12 +57,12 @@ def _save_word_tokenizer(folder: Path, vocab: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_gguf_checkpoint):
     path = default_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return hf, tok, load_checkpoint(path)
+    return hf, tok, smollm2_gguf_checkpoint
 
 
 @pytest.mark.slow
@@ -83,27 +83,46 @@ def test_smollm2_gguf_logits_match_transformers(smollm2):
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+@pytest.fixture(scope="module")
+def default_llm():
+    """One engine on the default model for the module's tests (loading and compiling it is
+    most of their cost)."""
+    return LLM(model="default")
+
+
+def hf_greedy_agrees(hf, prompt_ids: list[int], ours: list[int], max_new: int) -> None:
+    """``ours`` is HF's greedy continuation (what ``hf.generate(do_sample=False)`` returns)
+    checked in one teacher-forced forward: every token is HF's argmax after the prompt and
+    the tokens before it, and the run ends where greedy generation ends (EOS or max_new)."""
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    assert 1 <= len(ours) <= max_new
+    assert not eos & set(ours[:-1])  # HF would have stopped at an earlier EOS
+    assert len(ours) == max_new or ours[-1] in eos
+    with torch.no_grad():
+        logits = hf(torch.tensor(prompt_ids + ours[:-1])[None]).logits[0]
+    assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == ours
+
+
 @pytest.mark.slow
 @pytest.mark.reference
-def test_smollm2_greedy_generation_matches_transformers(smollm2):
+def test_smollm2_greedy_generation_matches_transformers(smollm2, default_llm):
     hf, tok, _ = smollm2
-    llm = LLM(model="default")
+    llm = default_llm
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Here are three tips for staying healthy:"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0))
-    # and one request alone: its decode steps run the single-row buckets
-    outs += llm.generate(prompts[:1], SamplingParams(max_tokens=32, temperature=0))
-    for prompt, out in zip(prompts + prompts[:1], outs, strict=True):
+    for prompt, out in zip(prompts, outs, strict=True):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         assert ids[0].tolist() == out.prompt_token_ids
-        with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=32, do_sample=False)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+        hf_greedy_agrees(hf, out.prompt_token_ids, out.outputs[0].token_ids, 32)
+    # and one request alone: its decode steps run the single-row buckets
+    (solo,) = llm.generate(prompts[:1], SamplingParams(max_tokens=32, temperature=0))
+    assert solo.outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
 @pytest.mark.slow
-def test_default_model_chat_answers_paris():
-    llm = LLM(model="default")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=24, temperature=0))
+def test_default_model_chat_answers_paris(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=24, temperature=0))
     assert "Paris" in out[0].outputs[0].text

@@ -29,14 +29,19 @@ def readme_examples() -> tuple[str, str]:
 
 
 def run_readme_examples(url_hostport: str) -> tuple[dict, str]:
+    """Both run at once, as two users would (the server batches them)."""
     curl, python = readme_examples()
-    out = subprocess.run(["bash", "-c", curl.replace(README_PORT, url_hostport)],
-                         capture_output=True, text=True, timeout=300, check=True)
-    body = json.loads(out.stdout)
-    py = subprocess.run([sys.executable, "-c", python.replace(README_PORT, url_hostport)],
-                        capture_output=True, text=True, timeout=300)
-    assert py.returncode == 0, py.stderr
-    return body, py.stdout
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in (["bash", "-c", curl.replace(README_PORT, url_hostport)],
+                         [sys.executable, "-c", python.replace(README_PORT, url_hostport)])]
+    try:
+        (curl_out, curl_err), (py_out, py_err) = (p.communicate(timeout=300) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 0, curl_err
+    assert procs[1].returncode == 0, py_err
+    return json.loads(curl_out), py_out
 
 
 @pytest.fixture(scope="module")

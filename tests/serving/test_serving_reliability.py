@@ -1,4 +1,4 @@
-"""Bounded reliability run (~50 s): 32 concurrent streaming clients, 20% disconnecting at
+"""Bounded reliability run (~20 s): 32 concurrent streaming clients, 20% disconnecting at
 random points, mixed with malformed requests. Afterwards: every request that was not
 cancelled got exactly its tokens, no 5xx, no KV page leaked, and the server still answers."""
 
@@ -13,7 +13,9 @@ from serving_helpers import MAX_MODEL_LEN, REPO
 sys.path.insert(0, str(REPO / "bench"))
 from soak import leaked_pages, run_load  # noqa: E402
 
-DURATION_S = 50.0
+# 20 s is ~700 completed, ~190 cancelled and ~170 malformed requests on a 2-core host
+# (50 s gave 1537 / 367 / 351): the bounds below still hold with a wide margin.
+DURATION_S = 20.0
 
 
 def test_concurrent_streams_disconnects_and_malformed_requests(make_server):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -268,19 +269,26 @@ def test_default_model_tool_round_trip() -> None:
         kw: dict[str, Any] = dict(model="default", messages=ASK, tools=[WEATHER],
                                   tool_choice="required", parallel_tool_calls=False,
                                   max_tokens=64, temperature=0.0)
-        done = client.chat.completions.create(**kw)
+
+        def streamed_call() -> Any:
+            with client.chat.completions.stream(**kw) as stream:
+                for _ in stream:
+                    pass
+                return stream.get_final_completion().choices[0].message.tool_calls[0]
+
+        # The streamed request runs beside the whole one (one batch: half the decode steps).
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(streamed_call)
+            done = client.chat.completions.create(**kw)
+            streamed = streaming.result()
         assert done.choices[0].finish_reason == "tool_calls"
         call = done.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather"
         _valid(call)
-        with client.chat.completions.stream(**kw) as stream:
-            for _ in stream:
-                pass
-            streamed = stream.get_final_completion().choices[0].message.tool_calls[0]
         assert (streamed.function.name, streamed.function.arguments) == \
             (call.function.name, call.function.arguments)
         follow = client.chat.completions.create(
-            model="default", max_tokens=16, temperature=0.0, tools=[WEATHER], messages=[
+            model="default", max_tokens=4, temperature=0.0, tools=[WEATHER], messages=[
                 *ASK, {"role": "assistant", "content": None,
                        "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}])
