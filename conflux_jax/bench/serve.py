@@ -342,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                              lambda reqs, e=engine: run_engine(e, reqs),
                              kv.num_pages * kv.num_ranks))
 
-    def make(rate: float, seed: int = args.seed) -> list[ServeRequest]:
+    def make(rate: float, run: str = "measured") -> list[ServeRequest]:
+        # Each run's prompts are its own (tokens seeded by run and rate): a later run must
+        # not find an earlier one's prompts in the server's prefix cache.
+        seed = f"{args.seed}/{run}/{rate:g}"
         picked = at_rate(rows if args.turns == 1 else rows[:args.num_prompts], rate,
                          args.num_prompts, args.seed)
         if args.turns > 1:  # consecutive rows keep a chat's turns together
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for label, run, pool in variants:
         if args.warmup:  # other tokens than the measured prompts: it leaves them uncached
-            first = [r for r in make(1.0, args.seed + 1) if r.follows is None][:args.warmup]
+            first = [r for r in make(1.0, "warm-up") if r.follows is None][:args.warmup]
             run([ServeRequest(0.0, r.prompt_ids, r.max_tokens) for r in first])
         per_rate = sweep(run, make, args.rates, args.bisect, args.ttft_slo, args.tbt_slo,
                          pool_pages=pool)

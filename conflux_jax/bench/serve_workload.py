@@ -82,7 +82,7 @@ def full_prompt(reqs: list[ServeRequest], i: int, sent: dict[int, list[int]],
 
 
 def multi_turn(rows: list[Row], turns: int, scaling: LengthScaling,
-               turn_scaling: LengthScaling, vocab: tuple[int, int], seed: int = 0
+               turn_scaling: LengthScaling, vocab: tuple[int, int], seed: int | str = 0
                ) -> list[ServeRequest]:
     """Chats of ``turns`` consecutive rows: the first turn is the row's synthesized
     prompt (``scaling``); each later turn adds a new user message of its row's length
@@ -155,7 +155,7 @@ def at_rate(rows: list[Row], rate: float, num: int, seed: int = 0) -> list[Row]:
 
 
 def synthesize(rows: list[Row], scaling: LengthScaling, vocab: tuple[int, int],
-               seed: int = 0) -> list[ServeRequest]:
+               seed: int | str = 0) -> list[ServeRequest]:
     """Token-id prompts of the scaled lengths; shared hash ids -> shared prefixes."""
     lo, hi = vocab
     blocks: dict[int, list[int]] = {}

@@ -129,6 +129,14 @@ class BlockManager:
                 best_rank, best = r, hit
         return best_rank, best
 
+    def caches(self, rank: int, h: PageHash, page: int) -> bool:
+        """Does ``rank`` still cache ``page`` under hash ``h``?"""
+        return self._ranks[rank].page_for(h) == page
+
+    def any_caches(self, h: PageHash) -> bool:
+        """Does any rank cache a page under hash ``h``?"""
+        return any(pages.page_for(h) is not None for pages in self._ranks)
+
     def acquire_hit(self, req: int, rank: int, pages: Sequence[int]) -> None:
         """``req`` (holding nothing yet) takes the cached prefix ``pages`` of ``rank``."""
         if req in self._reqs:

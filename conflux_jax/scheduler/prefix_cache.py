@@ -142,6 +142,10 @@ class RankPages:
             out.append(page)
         return out
 
+    def page_for(self, h: PageHash) -> int | None:
+        """The cached page named ``h``, if any."""
+        return self._page_of.get(h)
+
     def acquire(self, pages: Sequence[int]) -> None:
         """Take one reference to each cached page (a hit): it leaves the LRU queue."""
         for page in pages:

@@ -388,7 +388,7 @@ class Scheduler:
         if not started and st.cache_pages:
             rank_h, hit = bm.longest_hit(st.page_hashes[:len(st.cache_pages)])
             if rank_h != st.cache_rank or tuple(hit) != st.cache_pages:
-                self._look_up(st)  # evicted since it was priced: plan it again next time
+                self._look_up(st, exact=True)  # evicted since it was priced: next time
                 return _SKIP
             bm.acquire_hit(st.id, rank_h, hit)
         rank = self._reserve_pages(st, completes, started, tent_ctx, tent_n, in_plan, placed)
@@ -466,14 +466,25 @@ class Scheduler:
             have.extend(chain_hashes(keys, have[-1] if have else None, req.cache_salt))
         return have[:want]
 
-    def _look_up(self, st: RequestState) -> None:
+    def _look_up(self, st: RequestState, exact: bool = False) -> None:
         """Price a waiting request by its longest cached prefix (at least its last token
-        is computed: it samples the first output)."""
+        is computed: it samples the first output).
+
+        Waiting requests are looked up every iteration, so unless ``exact`` a previous hit
+        whose last page is still cached, and whose next page no rank caches, is kept
+        (O(ranks), not O(pages)); ``_reserve`` checks the whole hit before taking it.
+        """
         if st.req.cached_prefix:
             return
-        rank, pages = self.blocks.longest_hit(self._hashes(st, st.target - 1))
+        bm = self.blocks
+        hashes = self._hashes(st, st.target - 1)
+        k = len(st.cache_pages)
+        if not exact and k and bm.caches(st.cache_rank, hashes[k - 1], st.cache_pages[-1]) \
+                and (k == len(hashes) or not bm.any_caches(hashes[k])):
+            return
+        rank, pages = bm.longest_hit(hashes)
         st.cache_rank, st.cache_pages = rank, tuple(pages)
-        st.cached = st.prefilled = len(pages) * self.blocks.page_size
+        st.cached = st.prefilled = len(pages) * bm.page_size
 
     def _claim(self, st: RequestState, length: int, tent: _Tentative) -> tuple[int, bool, int]:
         """Reserve KV for a ``length``-token chunk of ``st``; returns (length, completes, rank).
