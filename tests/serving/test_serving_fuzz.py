@@ -88,7 +88,7 @@ def _objects(schema: dict[str, Any], spec: dict[str, Any], depth: int, hostile: 
                 if k in schema.get("required", ())}
     optional = {k: from_schema(v, spec, depth, hostile) for k, v in props.items()
                 if k not in required}
-    if hostile:
+    if hostile or not optional:
         return st.fixed_dictionaries(required, optional=optional)
     # Plausible bodies set only a few optional fields, so many of them are valid.
     return st.lists(st.sampled_from(sorted(optional)), max_size=3, unique=True).flatmap(
