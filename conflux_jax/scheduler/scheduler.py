@@ -451,6 +451,11 @@ class Scheduler:
     def _hashes(self, st: RequestState, tokens: int) -> list[bytes]:
         """Hashes of ``st``'s full pages among its first ``tokens`` tokens, as far as their
         content is known (token ids, or a trace's block ids for the prompt)."""
+        return st.page_hashes[:self._hash_pages(st, tokens)]
+
+    def _hash_pages(self, st: RequestState, tokens: int) -> int:
+        """Extend ``st.page_hashes`` over the full pages of its first ``tokens`` tokens;
+        returns how many of them are named (no copy: the per-iteration look-up uses it)."""
         ps = self.blocks.page_size
         want = tokens // ps
         have = st.page_hashes
@@ -464,7 +469,7 @@ class Scheduler:
             else:
                 keys = []
             have.extend(chain_hashes(keys, have[-1] if have else None, req.cache_salt))
-        return have[:want]
+        return min(want, len(have))
 
     def _look_up(self, st: RequestState, exact: bool = False) -> None:
         """Price a waiting request by its longest cached prefix (at least its last token
@@ -477,12 +482,12 @@ class Scheduler:
         if st.req.cached_prefix:
             return
         bm = self.blocks
-        hashes = self._hashes(st, st.target - 1)
+        named, hashes = self._hash_pages(st, st.target - 1), st.page_hashes
         k = len(st.cache_pages)
         if not exact and k and bm.caches(st.cache_rank, hashes[k - 1], st.cache_pages[-1]) \
-                and (k == len(hashes) or not bm.any_caches(hashes[k])):
+                and (k == named or not bm.any_caches(hashes[k])):
             return
-        rank, pages = bm.longest_hit(hashes)
+        rank, pages = bm.longest_hit(hashes[:named])
         st.cache_rank, st.cache_pages = rank, tuple(pages)
         st.cached = st.prefilled = len(pages) * bm.page_size
 
