@@ -41,7 +41,7 @@ from conflux_jax.executor.step import (
     transfer_link_bytes,
 )
 from conflux_jax.latency.roofline import hardware_for_device_kind
-from conflux_jax.models.params import Params
+from conflux_jax.models.params import Params, with_layer_list
 from conflux_jax.plan import (
     IterationPlan,
     KVLost,
@@ -75,6 +75,24 @@ class ExecutorConfig:
     # the largest step's temporaries and the KV pool may use. None = 0.9 on an accelerator.
     gpu_memory_utilization: float | None = None
     device_memory_bytes: int | None = None  # one device's memory; None = ask the device
+    # How steps run the layers: "scan" (compile time flat in depth) or "unroll-decode"
+    # (decode-only steps unrolled over a second, per-layer copy of the layer weights,
+    # which spares XLA:CPU a copy of every layer's weights per step; steps with prefill
+    # still scan, as unrolling them costs ~5x the warm-up). "auto" = unroll-decode on
+    # CPU, scan elsewhere.
+    layer_loop: str = "auto"
+
+
+LAYER_LOOPS = ("auto", "scan", "unroll-decode")
+
+
+def resolve_layer_loop(layer_loop: str, platform: str) -> str:
+    """"scan" or "unroll-decode" for ``ExecutorConfig.layer_loop`` on ``platform``."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if layer_loop == "auto":
+        return "unroll-decode" if platform == "cpu" else "scan"
+    return layer_loop
 
 
 CPU_NUM_PAGES = 256  # per rank, when a CPU is not asked to size the pool from memory
@@ -114,6 +132,9 @@ class JaxExecutor:
         self.buckets = buckets
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
+        unroll_decode = resolve_layer_loop(ec.layer_loop, self.platform) == "unroll-decode"
+        if unroll_decode:
+            padded_params = with_layer_list(padded_params)
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
         self.params = jax.tree.map(
@@ -130,7 +151,8 @@ class JaxExecutor:
             return StepConfig(
                 model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
                 num_pages=num_pages, num_top_logprobs=ec.num_top_logprobs,
-                attention_impl=ec.attention_impl, return_logits=ec.return_logits)
+                attention_impl=ec.attention_impl, return_logits=ec.return_logits,
+                unroll_decode=unroll_decode)
 
         def layout(num_pages: int) -> BatchLayout:
             return BatchLayout(n, self.buckets.max_prefill_seqs, prefill_pages_per_seq,

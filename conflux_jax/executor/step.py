@@ -54,6 +54,9 @@ class StepConfig:
     num_top_logprobs: int = 0
     attention_impl: str | None = None  # None = auto (see pallas_kernels)
     return_logits: bool = False  # tests: also return the sampled rows' logits f32[N, R, V]
+    # Decode-only steps run the layers unrolled (the params also hold per-layer weights:
+    # ``with_layer_list``); steps with prefill scan them. See ``Decoder.run_layers``.
+    unroll_decode: bool = False
 
 
 def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
@@ -81,15 +84,19 @@ def param_specs(params: Params) -> Params:
     column = {"wq", "wk", "wv", "w_gate", "w_up"}
     row = {"wo", "w_down"}
 
-    def spec(name: str) -> P:
+    def spec(name: str, stacked: bool = True) -> P:
+        lead = (None,) if stacked else ()
         if name in column:
-            return P(None, None, TP)
+            return P(*lead, None, TP)
         if name in row:
-            return P(None, TP, None)
+            return P(*lead, TP, None)
         return P()
 
-    out: dict[str, Any] = {k: P() for k in params if k != "layers"}
+    out: dict[str, Any] = {k: P() for k in params if k not in ("layers", "layer_list")}
     out["layers"] = {k: spec(k) for k in params["layers"]}
+    if "layer_list" in params:  # per-layer weights (with_layer_list)
+        out["layer_list"] = tuple({k: spec(k, stacked=False) for k in w}
+                                  for w in params["layer_list"])
     return out
 
 
@@ -148,7 +155,8 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
 
     x = model.embed_tokens(b.tokens)
     tp_axis = TP if cfg.tp > 1 else None
-    x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis)
+    x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis,
+                                           unroll=cfg.unroll_decode and not p)
     rows = b.sample
     logits = model.logits(x[rows.index])  # f32[R, V]
     adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,
