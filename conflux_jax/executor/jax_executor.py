@@ -28,7 +28,7 @@ from conflux_jax.config import ModelConfig
 from conflux_jax.executor.batch import BatchLayout, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
-from conflux_jax.executor.compile_guard import CompileGuard
+from conflux_jax.executor.compile_guard import CompileGuard, RecompilationError
 from conflux_jax.executor.device import (
     DEFAULT_MEMORY_UTILIZATION,
     default_buckets,
@@ -342,6 +342,9 @@ class JaxExecutor:
             seq = self.channel.send(shape, host)
             try:
                 s = self._run(shape, host)
+            except RecompilationError:
+                self.channel.done(seq)  # the step itself ran everywhere
+                raise
             except Exception as exc:
                 raise self._lost(exc) from exc
             self.channel.done(seq)

@@ -14,8 +14,8 @@ process 0), not through a collective. Measured on this CPU host with two process
 follower also waits on the store with a timeout it renews, so an idle leader never trips
 a collective's timeout, and a lost leader surfaces as an error instead of a hang.
 
-A message's key is deleted once its step has run: the step's collectives cannot finish
-until every follower has read the message.
+Messages are deleted once their steps have run (a whole batch of them at a time): a
+step's collectives cannot finish until every follower has read its message.
 
 ``jax.device_put`` of a host array onto devices of several processes first checks, with an
 all-gather, that every process passed the same value: a collective per array, which would
@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 STEP, STOP = 1, 2
 _MAGIC = 0x436F6E66  # "Conf": a message from another program is refused, not misread
 _HEADER = 10  # magic, kind, seq, 5 shape fields, masked, penalized
-_PREFIX = "conflux/step/"
+_DIR = "conflux/step"
+_PREFIX = _DIR + "/"
+_PRUNE_EVERY = 32  # steps between deletions of the messages already run (0.3 ms each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,10 @@ class StepChannel:
         return seq
 
     def done(self, seq: int) -> None:
-        self._client.key_value_delete(f"{_PREFIX}{seq}")
+        """Step ``seq`` ran on every process, so every follower has read every message up
+        to it and none is posted past it: from time to time the whole directory goes."""
+        if (seq + 1) % _PRUNE_EVERY == 0:
+            self._client.key_value_delete(_DIR)
 
     def stop(self) -> None:
         """Tell the followers to leave their loop (idempotent)."""
