@@ -113,8 +113,7 @@ def main(process_id: int, port: int, out_path: str, mode: str) -> int:
     from conflux_jax.executor.distributed import DistributedConfig, exit_now, initialize
     from conflux_jax.plan import ExecutorLost
 
-    initialize(DistributedConfig(2, process_id, f"127.0.0.1:{port}", heartbeat_timeout_s=3,
-                                 init_timeout_s=60))
+    initialize(DistributedConfig(2, process_id, f"127.0.0.1:{port}", init_timeout_s=60))
     if process_id == 0:
         engine = make_engine()
         if mode == "idle":

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulat
 SCRIPT = Path(instance.__file__)
 START_S = 120  # start-up and the first compiles on a loaded 2-core machine
 # A dead follower must fail the leader this fast: gloo notices the closed connection at
-# once, JAX's coordination service after its heartbeat timeout (3 s in the script).
+# once (JAX's coordination service would, after its 10 s heartbeat timeout).
 FAIL_S = 20
 
 

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def local_device_count(total: int, num_processes: int) -> int:
     return total // num_processes
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """Exit without JAX's shutdown barrier, which would wait for a dead process until
     its heartbeat times out and then abort: after the instance is lost there is nobody to
     meet there."""
