@@ -10,7 +10,8 @@ Process 0, by MODE:
 - ``mixed``: runs the workload, writes its tokens to OUT_JSON, then keeps generating
   until the instance fails (the test kills process 1 meanwhile); it then prints the error
   and exits with status 3 (0 never: the instance must not outlive a dead process);
-- ``idle``: builds the engine and stops the instance at once (a clean stop).
+- ``idle``: builds the engine and stops the instance at once (a clean stop); a step
+  asked for afterwards is refused (printed), not run.
 Process 1 follows, printing one JSON line per step it ran (what the batch held), and
 exits with status 0 when process 0 stops the instance.
 """
@@ -118,6 +119,10 @@ def main(process_id: int, port: int, out_path: str, mode: str) -> int:
         engine = make_engine()
         if mode == "idle":
             engine.executor.close()
+            try:  # a stopped instance refuses steps: nobody would join their collectives
+                run_mixed(engine)
+            except ExecutorLost as exc:
+                print(f"refused after the stop: {exc}", flush=True)
             return 0
         try:
             _write(out_path, run_mixed(engine))

@@ -118,3 +118,5 @@ def test_followers_exit_cleanly_when_the_leader_stops(tmp_path):
         assert follower.wait(FAIL_S) == 0, log_of(tmp_path, 1)
     finally:
         stop(leader, follower)
+    assert "refused after the stop: this multi-process instance was stopped" in \
+        log_of(tmp_path, 0)

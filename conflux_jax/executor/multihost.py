@@ -123,7 +123,13 @@ class StepChannel:
         self._seq = 0
         self._stopped = False
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def send(self, shape: StepShape, batch: StepBatch) -> int:
+        if self._stopped:  # nobody would join the step's collectives: it would hang
+            raise ExecutorLost("this multi-process instance was stopped (close())")
         seq = self._seq
         self._seq += 1
         self._set(seq, encode(seq, shape, batch))
