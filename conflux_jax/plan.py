@@ -216,6 +216,12 @@ class KVLost(RuntimeError):
     request that held KV has lost it and must be recomputed."""
 
 
+class ExecutorLost(RuntimeError):
+    """The executor can run no more steps: a process of a multi-process instance died or
+    left, so the mesh the steps run on is gone. Unlike a failed step (which fails only its
+    own requests), this fails the instance; the caller stops serving."""
+
+
 @runtime_checkable
 class Executor(Protocol):
     """Runs iteration plans on its own clock: the JAX executor on the wall clock, the
@@ -232,5 +238,6 @@ class Executor(Protocol):
         ...
 
     def execute(self, plan: IterationPlan) -> StepResult:
-        """Run ``plan``. Raises :class:`KVLost` when a failure cost the executor its KV."""
+        """Run ``plan``. Raises :class:`KVLost` when a failure cost the executor its KV,
+        :class:`ExecutorLost` when the executor cannot run any further plan."""
         ...

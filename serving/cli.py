@@ -2,7 +2,10 @@
 
 Order matters: on CPU the mesh is simulated with host devices, which XLA only honours if
 the flag is set before the jax backend initialises, so this module touches nothing from
-jax (or conflux_jax) until the arguments are parsed and the flag is set.
+jax (or conflux_jax) until the arguments are parsed and the flag is set. A multi-process
+instance (``--coordinator``/``--num-processes``/``--process-id``, or the environment of
+LeaderWorkerSet or Slurm) joins JAX's distributed runtime at that point too; process 0
+serves HTTP and the others only follow its steps.
 """
 
 from __future__ import annotations
@@ -127,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "$CONFLUX_COMPILE_CACHE or ~/.cache/conflux_jax/xla)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
+    from conflux_jax.executor import distributed  # stdlib-only until initialize()
+
+    scale = p.add_argument_group(
+        "one instance over several processes (hosts)",
+        "every process runs this command with the same model and engine flags; process 0 "
+        "serves HTTP. Defaults come from $CONFLUX_COORDINATOR, $CONFLUX_NUM_PROCESSES and "
+        "$CONFLUX_PROCESS_ID, else Kubernetes LeaderWorkerSet's LWS_LEADER_ADDRESS (port "
+        f"$CONFLUX_COORDINATOR_PORT, default {distributed.DEFAULT_PORT}), LWS_GROUP_SIZE "
+        "and LWS_WORKER_INDEX, else a Slurm step's SLURM_NTASKS and SLURM_PROCID")
+    scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="address of process 0, which hosts JAX's coordination service")
+    scale.add_argument("--num-processes", type=int, default=None, metavar="P")
+    scale.add_argument("--process-id", type=int, default=None, metavar="I",
+                       help="this process's index in [0, P); 0 runs the scheduler and HTTP")
+    scale.add_argument("--heartbeat-timeout", type=int, metavar="S",
+                       default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                       help="seconds of silence after which a process is declared dead "
+                            "and the whole instance fails")
     return p
 
 
@@ -143,11 +164,11 @@ def _wants_gpu() -> bool:
     return any(x in platforms for x in ("cuda", "gpu", "rocm", "tpu"))
 
 
-def build_engine(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The checkpoint and the executor configuration (the same in every process)."""
     import dataclasses
 
     from conflux_jax.checkpoints import load_checkpoint
-    from conflux_jax.engine import Engine, EngineConfig
     from conflux_jax.executor.device import default_buckets, default_platform, resolve_dtype
     from conflux_jax.executor.jax_executor import ExecutorConfig
 
@@ -165,12 +186,44 @@ def build_engine(args: argparse.Namespace) -> Any:
                               num_top_logprobs=args.max_logprobs,
                               compile_cache=args.compile_cache,
                               gpu_memory_utilization=args.gpu_memory_utilization)
+    return ckpt, executor
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from conflux_jax.engine import Engine, EngineConfig
+
+    ckpt, executor = _load(args)
     return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
                   EngineConfig(executor=executor, policy=args.policy,
                                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                profile=args.model, overdue_grace_s=args.overdue_grace,
                                recalibrate=args.recalibrate,
                                enable_prefix_caching=args.enable_prefix_caching))
+
+
+def follow(args: argparse.Namespace) -> int:
+    """Processes 1..: the same executor over the same mesh, compiled alike, running the
+    steps process 0 posts until it stops the instance."""
+    from conflux_jax.executor.distributed import exit_now
+    from conflux_jax.executor.jax_executor import JaxExecutor
+    from conflux_jax.plan import ExecutorLost
+
+    try:
+        ckpt, config = _load(args)
+        executor = JaxExecutor(ckpt.config, ckpt.params, config)
+    except Exception as exc:
+        log.error("cannot start: %s", exc)
+        exit_now(2)  # the others wait at JAX's shutdown barrier for no one
+    log.info("process %d: compiling every step shape", executor.process_index)
+    executor.warmup(progress=False)
+    log.info("process %d: following process 0", executor.process_index)
+    try:
+        steps = executor.follow()
+    except ExecutorLost as exc:
+        log.error("the instance failed: %s", exc)
+        exit_now(1)
+    log.info("stopped after %d steps", steps)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level != "debug":  # keep start-up to our few lines: warm-up, ready, stop
         for noisy in ("jax", "absl", "orbax"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    from conflux_jax.executor import distributed  # stdlib-only until initialize()
+
+    try:
+        dist = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
+                                   heartbeat_timeout_s=args.heartbeat_timeout)
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     # JAX's GPU allocator takes 0.75 of the card unless told otherwise: give it the share
     # the KV pool is sized for (vLLM's meaning of the utilization). No effect on CPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
@@ -190,7 +251,19 @@ def main(argv: list[str] | None = None) -> int:
         # affects the (unused) CPU platform.
         from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 
-        simulate_cpu_devices(devices_named_by(args.mesh, CPU_SIMULATED_DEVICES))
+        if dist is None:
+            simulate_cpu_devices(devices_named_by(args.mesh, CPU_SIMULATED_DEVICES))
+        else:  # the mesh's devices, split over the processes
+            total = devices_named_by(args.mesh, CPU_SIMULATED_DEVICES * dist.num_processes)
+            try:
+                simulate_cpu_devices(distributed.local_device_count(total, dist.num_processes))
+            except ValueError as exc:
+                log.error("cannot start: %s", exc)
+                return 2
+    if dist is not None:
+        distributed.initialize(dist)
+        if not dist.is_leader:
+            return follow(args)
     from serving.app import create_app
     from serving.engine_loop import EngineLoop
     from serving.http_protocol import uvicorn_config
@@ -200,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(args)
     except Exception as exc:  # a bad --model, mesh or bucket set: say why, no traceback
         log.error("cannot start: %s", exc)
+        if dist is not None:
+            distributed.exit_now(2)  # the followers fail when the coordinator goes
         return 2
     name = args.served_model_name or args.model
     loop = EngineLoop(engine)
@@ -235,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     server.run()  # returns after SIGTERM/SIGINT once in-flight requests have finished
     loop.stop(drain=False, timeout=10)
     log.info("stopped")
+    if dist is not None:
+        if failed:  # JAX's shutdown barrier would wait for a dead process: leave now
+            distributed.exit_now(1)
+        engine.executor.close()  # the followers leave their loop and exit
     return 1 if failed else 0
 
 

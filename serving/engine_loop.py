@@ -9,7 +9,8 @@ blocks on the intake when idle, so an idle server burns no CPU.
 Failure policy: the engine already turns an exception inside ``step()`` into "error"
 finishes of that step's requests. Anything else that escapes (a bug in the scheduler, a
 bad request that slipped through) fails every request the engine holds, frees their
-pages, and the loop keeps serving.
+pages, and the loop keeps serving. Only a lost executor (``ExecutorLost``: a process of a
+multi-process instance died) stops the loop: no later step could run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from conflux_jax.engine import EngineError, StepOutput
+from conflux_jax.plan import ExecutorLost
 from conflux_jax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,8 @@ class EngineLoop:
         self.stats = Stats()
         self.warmup_s: float | None = None
         self.on_ready: Callable[[], None] | None = None
-        self.on_fatal: Callable[[], None] | None = None  # warm-up failed: cannot serve
+        # Warm-up failed or the executor is lost: the server cannot serve.
+        self.on_fatal: Callable[[], None] | None = None
         self._accepts_slo = _accepts_slo(engine)
 
     # ------------------------------------------------------------------ lifecycle
@@ -216,6 +219,13 @@ class EngineLoop:
     def _iterate(self) -> None:
         try:
             outputs = self.engine.step()
+        except ExecutorLost as exc:
+            log.error("the instance cannot run any further step: %s", exc)
+            self._abort_everything(f"the instance failed: {exc}", reason="error")
+            self._stop.set()  # the loop ends: it holds no request now
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
         except Exception as exc:
             log.exception("engine step raised; failing every in-flight request")
             self._abort_everything(f"internal error while generating: {exc!r}", reason="error")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from conflux_jax.plan import Executor, IterationPlan, KVLost, StepResult
+from conflux_jax.plan import Executor, ExecutorLost, IterationPlan, KVLost, StepResult
 from conflux_jax.scheduler.request import Request
 from conflux_jax.scheduler.scheduler import Scheduler
 
@@ -69,7 +69,8 @@ class EngineCore:
         run, so the scheduler's KV bookkeeping stays whole). When the failure cost the
         executor its KV (:class:`~conflux_jax.plan.KVLost`), every request that held KV
         is first set to recompute from its tokens: the caller fails the plan's requests,
-        and the others resume as if preempted.
+        and the others resume as if preempted. :class:`~conflux_jax.plan.ExecutorLost`
+        (the instance itself is gone) passes through unwrapped: no request can resume.
         """
         sched = self.scheduler
         plan = sched.schedule(self.executor.now())
@@ -80,6 +81,9 @@ class EngineCore:
             if prepare is not None:
                 plan = prepare(plan)
             result = self.executor.execute(plan)
+        except ExecutorLost:
+            sched.commit(plan, None)
+            raise
         except Exception as exc:
             sched.commit(plan, None)
             if isinstance(exc, KVLost):

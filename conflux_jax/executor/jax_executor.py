@@ -3,14 +3,20 @@
 It reads nothing but the plan (tokens, page ids, sampling parameters): the host packs the
 plan into one :class:`~conflux_jax.executor.batch.StepBatch`, sends it with one
 ``device_put`` and runs the compiled step of the plan's bucket.
+
+In a multi-process instance (``distributed.py``) every process holds one of these over the
+same global mesh. Process 0 runs ``execute`` and posts each host batch to the others
+(``multihost.py``), which run ``follow``: the same batch, the same compiled step.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,7 +28,7 @@ from conflux_jax.config import ModelConfig
 from conflux_jax.executor.batch import BatchLayout, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
-from conflux_jax.executor.compile_guard import CompileGuard
+from conflux_jax.executor.compile_guard import CompileGuard, RecompilationError
 from conflux_jax.executor.device import (
     DEFAULT_MEMORY_UTILIZATION,
     default_buckets,
@@ -32,6 +38,7 @@ from conflux_jax.executor.device import (
 )
 from conflux_jax.executor.head_padding import pad_heads
 from conflux_jax.executor.mesh import MeshSpec, make_mesh
+from conflux_jax.executor.multihost import STOP, StepChannel, put_global, unpack
 from conflux_jax.executor.step import (
     KV_POOL_SPEC,
     StepConfig,
@@ -43,6 +50,7 @@ from conflux_jax.executor.step import (
 from conflux_jax.latency.roofline import hardware_for_device_kind
 from conflux_jax.models.params import Params, with_layer_list
 from conflux_jax.plan import (
+    ExecutorLost,
     IterationPlan,
     KVLost,
     KVSpec,
@@ -119,7 +127,15 @@ class JaxExecutor:
         self.exec_config = ec = exec_config
         self.compile_cache_dir = enable_compilation_cache(ec.compile_cache)
         self.mesh_spec = MeshSpec.parse(ec.mesh)
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        if self.process_count > 1 and self.mesh_spec.size != jax.device_count():
+            raise ValueError(f"mesh {self.mesh_spec} uses {self.mesh_spec.size} of the "
+                             f"{jax.device_count()} devices of this {self.process_count}-"
+                             "process instance; a multi-process mesh must use them all")
         self.mesh = make_mesh(self.mesh_spec)
+        # This process's devices in the mesh: what its memory is sized from.
+        self._local_devices = [d for d in self.mesh.devices.flat
+                               if d.process_index == self.process_index]
         self.platform = self.mesh.devices.flat[0].platform
         self.device_kind = self.mesh.devices.flat[0].device_kind
         self.dtype = jnp.dtype(resolve_dtype(ec.dtype, self.platform))
@@ -137,9 +153,14 @@ class JaxExecutor:
             padded_params = with_layer_list(padded_params)
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
-        self.params = jax.tree.map(
-            lambda a, s: jax.device_put(jnp.asarray(a, dtype), NamedSharding(self.mesh, s)),
-            padded_params, self._param_specs)
+
+        def place(a: Any, spec: Any) -> jax.Array:
+            sharding = NamedSharding(self.mesh, spec)
+            if self.process_count == 1:
+                return jax.device_put(jnp.asarray(a, dtype), sharding)
+            return put_global(np.asarray(a, dtype), sharding)
+
+        self.params = jax.tree.map(place, padded_params, self._param_specs)
         prefill_pages_per_seq = -(-ec.max_model_len // (ec.page_size * n))
         self.planner = ShapePlanner(
             self.buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
@@ -152,7 +173,7 @@ class JaxExecutor:
                 model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
                 num_pages=num_pages, num_top_logprobs=ec.num_top_logprobs,
                 attention_impl=ec.attention_impl, return_logits=ec.return_logits,
-                unroll_decode=unroll_decode)
+                unroll_decode=unroll_decode, replicate_samples=self.process_count > 1)
 
         def layout(num_pages: int) -> BatchLayout:
             return BatchLayout(n, self.buckets.max_prefill_seqs, prefill_pages_per_seq,
@@ -161,7 +182,9 @@ class JaxExecutor:
                                history_len=ec.max_model_len)
 
         self.memory = self._plan_memory(step_config, layout)
-        num_pages = self.memory.num_pages
+        num_pages = self._agree(self.memory.num_pages)
+        if num_pages != self.memory.num_pages:
+            self.memory = dataclasses.replace(self.memory, num_pages=num_pages)
         self.step_config = step_config(num_pages)
         self._kv_spec = KVSpec(num_ranks=n, num_pages=num_pages, page_size=ec.page_size)
         pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
@@ -177,7 +200,34 @@ class JaxExecutor:
         self.guard = CompileGuard()
         self.last_transfer_bytes = 0  # link bytes of the last step's KV transfer
         self.clock_start = time.perf_counter()
+        # Multi-process: the leader posts each step to the followers, who follow().
+        self.channel = StepChannel() if self.process_count > 1 else None
+        if self.channel is not None and self.is_leader:
+            # Followers wait for a stop message; send it however the leader exits (runs
+            # before JAX's own exit hook, which waits for every process to shut down).
+            atexit.register(self.close)
         self._log_kv_capacity()
+
+    def _put(self, tree: Any, shardings: Any) -> Any:
+        """Host values onto the mesh: one batched ``device_put`` in a single process;
+        per process, its own devices' slices in several (``multihost.put_global``)."""
+        if self.process_count == 1:
+            return jax.device_put(tree, shardings)
+        return put_global(tree, shardings)
+
+    @property
+    def is_leader(self) -> bool:
+        """Process 0: the one that plans and calls ``execute`` (the others ``follow``)."""
+        return self.process_index == 0
+
+    def _agree(self, num_pages: int) -> int:
+        """Pages per rank every process can hold: the pool is one global array, so hosts
+        that sized it from their own memory take the smallest."""
+        if self.process_count == 1:
+            return num_pages
+        from jax.experimental import multihost_utils
+
+        return int(np.min(multihost_utils.process_allgather(np.int32(num_pages))))
 
     # ------------------------------------------------------------------ KV pool sizing
     def _plan_memory(self, step_config: Any, layout: Any) -> MemoryPlan:
@@ -195,13 +245,13 @@ class JaxExecutor:
         if util is None and not is_accelerator(self.platform):
             return MemoryPlan(CPU_NUM_PAGES, page_bytes)
         util = DEFAULT_MEMORY_UTILIZATION if util is None else util
-        devices = list(self.mesh.devices.flat)
+        devices = self._local_devices
         if ec.device_memory_bytes is not None:
             size, budget = ec.device_memory_bytes, int(util * ec.device_memory_bytes)
         else:
             hw = hardware_for_device_kind(self.device_kind)
             size, budget = memory_budget(devices, util, hw.hbm_bytes if hw else None)
-        dev0 = devices[0]
+        dev0 = devices[0]  # a device of this process (its shards are addressable)
         weights = sum(sh.data.nbytes for leaf in jax.tree.leaves(self.params)
                       for sh in leaf.addressable_shards if sh.device == dev0)
         # Compile the largest step against a small stand-in pool: its temporaries do not
@@ -298,29 +348,27 @@ class JaxExecutor:
     # ------------------------------------------------------------------ execution
     def execute(self, plan: IterationPlan) -> StepResult:
         """Run one plan; returns the token sampled for each sampling request."""
+        if not self.is_leader:
+            raise RuntimeError("only process 0 executes plans; the others follow()")
         start = time.perf_counter()
         shape, host, rows = self.build_batch(plan)
-        compiled = self._compiled.get(shape)
-        if compiled is None:
-            if self.guard.serving:
-                raise RuntimeError(f"step shape {shape} was not compiled at warm-up")
-            self.compile_shape(shape)
-            compiled = self._compiled[shape]
+        if shape not in self._compiled and self.guard.serving:
+            raise RuntimeError(f"step shape {shape} was not compiled at warm-up")
         self.last_transfer_bytes = self.transfer_bytes(host)
-        batch = jax.device_put(host, self._shardings)
-        with self.guard.watch():
+        if self.channel is None:
+            s = self._run(shape, host)
+        else:
+            # Past this point every process runs the step: any failure leaves them out of
+            # step with each other, so it ends the instance, not just this step.
+            seq = self.channel.send(shape, host)
             try:
-                out = compiled(self.params, self.k_pool, self.v_pool, batch)
-                # Errors of the device computation surface here, when its results are read.
-                s = jax.device_get(out.sampled)
+                s = self._run(shape, host)
+            except RecompilationError:
+                self.channel.done(seq)  # the step itself ran everywhere
+                raise
             except Exception as exc:
-                if not (self.k_pool.is_deleted() or self.v_pool.is_deleted()):
-                    raise  # failed before the pools were donated: they still hold the KV
-                # Donated to the failed call: deleted, and its outputs hold the error.
-                self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
-                raise KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
-                             "its donated KV pools are gone and were rebuilt empty") from exc
-            self.k_pool, self.v_pool = out.k_pool, out.v_pool
+                raise self._lost(exc) from exc
+            self.channel.done(seq)
         sampled: dict[int, SampledToken] = {}
         for req, (rank, row) in rows.items():
             top = {int(t): float(lp) for t, lp in zip(s.top_ids[rank, row],
@@ -331,6 +379,70 @@ class JaxExecutor:
             self.last_logits = {req: s.logits[rank, row] for req, (rank, row) in rows.items()}
         end = time.perf_counter()
         return StepResult(sampled=sampled, latency_s=end - start, end_s=end)
+
+    def _run(self, shape: StepShape, host: StepBatch) -> Any:
+        """Send ``host``, run the compiled step of ``shape`` and read the sampled rows
+        (numpy ``SampledRows``, replicated: every rank's rows)."""
+        if shape not in self._compiled:
+            self.compile_shape(shape)
+        compiled = self._compiled[shape]
+        batch = self._put(host, self._shardings)
+        with self.guard.watch():
+            try:
+                out = compiled(self.params, self.k_pool, self.v_pool, batch)
+                # Errors of the device computation surface here, when its results are read.
+                s = jax.device_get(out.sampled)
+            except Exception as exc:
+                if self.channel is not None:
+                    raise  # fails the instance (ExecutorLost): no pool to rebuild
+                if not (self.k_pool.is_deleted() or self.v_pool.is_deleted()):
+                    raise  # failed before the pools were donated: they still hold the KV
+                # Donated to the failed call: deleted, and its outputs hold the error.
+                self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
+                raise KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
+                             "its donated KV pools are gone and were rebuilt empty") from exc
+            self.k_pool, self.v_pool = out.k_pool, out.v_pool
+        return s
+
+    def _lost(self, exc: Exception) -> ExecutorLost:
+        if isinstance(exc, ExecutorLost):
+            return exc
+        return ExecutorLost(
+            f"the {self.process_count}-process instance failed during a step "
+            f"({type(exc).__name__}: {exc}); a process most likely died or left (see its "
+            "log). The instance cannot run further steps")
+
+    # ------------------------------------------------------------------ multi-process
+    def follow(self, on_step: Callable[[StepShape, StepBatch], None] | None = None) -> int:
+        """A follower's loop: run each step process 0 posts until it stops; returns the
+        steps run. ``on_step(shape, host_batch)`` is called after each one. Raises
+        :class:`~conflux_jax.plan.ExecutorLost` when the leader or a step fails."""
+        if self.channel is None or self.is_leader:
+            raise RuntimeError("follow() runs on processes 1.. of a multi-process instance")
+        steps = 0
+        while True:
+            msg = self.channel.receive()
+            if msg.kind == STOP:
+                log.info("process 0 stopped the instance after %d steps", steps)
+                return steps
+            assert msg.shape is not None
+            host = unpack(msg.payload, self._padding(msg.shape, msg.masked, msg.penalized))
+            try:
+                self._run(msg.shape, host)
+            except Exception as exc:
+                raise self._lost(exc) from exc
+            steps += 1
+            if on_step is not None:
+                on_step(msg.shape, host)
+
+    def close(self) -> None:
+        """Leader of a multi-process instance: stop the followers (idempotent; a no-op
+        in a single process)."""
+        if self.channel is not None and self.is_leader:
+            try:
+                self.channel.stop()
+            except ExecutorLost as exc:  # nobody left to stop
+                log.warning("could not stop the other processes: %s", exc)
 
     # ------------------------------------------------------------------ host batch layout
     def build_batch(self, plan: IterationPlan
@@ -374,7 +486,7 @@ class JaxExecutor:
             decode_pages_max=max((len(s.pages) for s in plan.decode), default=1),
             transfer_max=max(groups_moved, load_groups))
         p = shape.prefill
-        batch = self._padding(shape, plan)
+        batch = self._padding(shape, bool(plan.token_masks), bool(plan.histories))
         a, meta, rows_in = batch.rank, batch.shared, batch.rank.sample
         rows: dict[int, tuple[int, int]] = {}
         n_sample = [0] * n
@@ -464,19 +576,20 @@ class JaxExecutor:
         a.num_decode[:] = dcount
         return shape, batch, rows
 
-    def _padding(self, shape: StepShape, plan: IterationPlan) -> StepBatch:
-        """The step's host batch; mask and history buffers only when some row uses them."""
+    def _padding(self, shape: StepShape, masked: bool, penalized: bool) -> StepBatch:
+        """The step's host batch; mask and history buffers only when some row uses them
+        (``masked``, ``penalized``), else the device-resident padding."""
         layout = self.layout
         r = StepBatch.sample_rows(shape, layout)
         idle = self._idle_rows.get(r)
         if idle is None:
             spec = self._shardings.rank.sample
-            idle = (jax.device_put(StepBatch.padding_bitmask(r, layout), spec.bitmask),
-                    jax.device_put(StepBatch.padding_history(r, layout), spec.history))
+            idle = (self._put(StepBatch.padding_bitmask(r, layout), spec.bitmask),
+                    self._put(StepBatch.padding_history(r, layout), spec.history))
             self._idle_rows[r] = idle
         return StepBatch.padding(shape, layout,
-                                 bitmask=None if plan.token_masks else idle[0],
-                                 history=None if plan.histories else idle[1])
+                                 bitmask=None if masked else idle[0],
+                                 history=None if penalized else idle[1])
 
     def _fill_penalties(self, rows_in: Any, rank: int, row: int, spec: SamplingSpec,
                         hist: tuple[Any, Any]) -> None:

@@ -57,6 +57,9 @@ class StepConfig:
     # Decode-only steps run the layers unrolled (the params also hold per-layer weights:
     # ``with_layer_list``); steps with prefill scan them. See ``Decoder.run_layers``.
     unroll_decode: bool = False
+    # Multi-process: return the sampled rows replicated, so that process 0 (which only
+    # holds its own ranks' shards) reads every rank's tokens; one small all-gather.
+    replicate_samples: bool = False
 
 
 def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
@@ -273,4 +276,14 @@ def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params):
         body, mesh=mesh,
         in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, StepBatch.specs()),
         out_specs=out_specs, check_vma=False)
-    return jax.jit(mapped, donate_argnums=(1, 2))
+    if not cfg.replicate_samples:
+        return jax.jit(mapped, donate_argnums=(1, 2))
+    everywhere = jax.sharding.NamedSharding(mesh, P())
+
+    def replicated(params: Params, k_pool: jax.Array, v_pool: jax.Array,
+                   batch: StepBatch) -> StepOutputs:
+        out = mapped(params, k_pool, v_pool, batch)
+        return dataclasses.replace(
+            out, sampled=jax.lax.with_sharding_constraint(out.sampled, everywhere))
+
+    return jax.jit(replicated, donate_argnums=(1, 2))

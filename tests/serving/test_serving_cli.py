@@ -86,6 +86,19 @@ def test_bad_model_exits_with_a_message(tmp_path):
     assert "cannot start" in out.stderr and "nope" in out.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-processes", "2"], "needs the process count and this process's id"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0",
+      "--mesh", "sp=3"], "does not split over 2 processes"),
+])
+def test_a_partial_or_unsplittable_multi_process_setting_is_refused(args, message):
+    """Refused before anything starts (the multi-process instance itself: test_multihost)."""
+    out = subprocess.run([sys.executable, "-m", "serving", *args], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2
+    assert "cannot start" in out.stderr and message in out.stderr
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(cli):
     body = {"model": "default", "prompt": "hi", "max_tokens": 120, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
