@@ -1,0 +1,108 @@
+"""Two revisions of the engine on the same decode steps, run in alternating processes.
+
+    python bench/ab_revisions.py OLD_REV [NEW_REV] [--rounds 3] [--repeats 12]
+
+Each revision is checked out into a temporary git worktree (NEW_REV defaults to the
+working tree itself). Every round runs one process per revision, old first: the process
+serves ``bench compare``'s decode-heavy workload (32-token prompts) on the default model
+in-process, keeps one real decode step of 16 requests and one of a single request (contexts
+of ~100 tokens), and times each, compiled, ``--repeats`` times. Printed: each round's median
+per revision and the old/new ratio. Rounds alternate so that a host that speeds up or slows
+down during the run moves both sides alike; compare the ratios, not the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs inside the revision's tree (its own conflux_jax first on sys.path).
+CHILD = r"""
+import json, sys, time
+tree, repeats = sys.argv[1], int(sys.argv[2])
+sys.path[:0] = [tree, tree + "/bench"]
+import jax
+import conflux_jax
+assert conflux_jax.__file__.startswith(tree), conflux_jax.__file__
+import step_breakdown as sb
+from jax.sharding import NamedSharding
+from conflux_jax.bench.serve import engine_from_model
+from conflux_jax.executor.batch import StepBatch
+engine = engine_from_model("default", 512, "conflux", 60.0, 10.0)
+ex = engine.executor
+out = {}
+for name, c in (("decode x16", 16), ("decode x1", 1)):
+    want = lambda plan, c=c: (not plan.prefill and len(plan.decode) == c
+                              and min(d.position + 1 for d in plan.decode) <= 100)
+    shape, host = sb.capture(engine, 32, 128, c, want)
+    step = ex._compiled.get(shape) or ex._step.lower(*ex._abstract_args(shape)).compile()
+    batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
+                                              StepBatch.specs()))
+    times = []
+    for _ in range(repeats + 1):  # the first run is a warm-up
+        t = time.perf_counter()
+        res = step(ex.params, ex.k_pool, ex.v_pool, batch)
+        ex.k_pool, ex.v_pool = res.k_pool, res.v_pool
+        res.sampled.tokens.block_until_ready()
+        times.append(time.perf_counter() - t)
+    out[name] = times[1:]
+print("AB-RESULT " + json.dumps(out))
+"""
+
+
+def run(tree: Path, repeats: int) -> dict[str, list[float]]:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(repeats)],
+                          capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("AB-RESULT "):
+            return json.loads(line[len("AB-RESULT "):])
+    raise RuntimeError(f"{tree}: no result\n{proc.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old")
+    ap.add_argument("new", nargs="?", help="a revision; default: the working tree")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=12)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for label, rev in (("old", args.old), ("new", args.new)):
+            if rev is None:
+                trees[label] = ROOT
+                continue
+            path = Path(tmp) / label
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
+                            str(path), rev], check=True)
+            trees[label] = path
+        try:
+            medians: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+            for _ in range(args.rounds):
+                for label, tree in trees.items():
+                    for name, times in run(tree, args.repeats).items():
+                        medians[label].setdefault(name, []).append(float(np.median(times)))
+        finally:
+            for tree in trees.values():
+                if tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                    str(tree)], check=False)
+    print(f"old = {args.old}, new = {args.new or 'working tree'}; median ms per round")
+    for name in medians["old"]:
+        old, new = medians["old"][name], medians["new"][name]
+        ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(old, new, strict=True))
+        print(f"  {name:<11} old {' / '.join(f'{1e3 * t:.1f}' for t in old)}"
+              f"   new {' / '.join(f'{1e3 * t:.1f}' for t in new)}   old/new {ratios}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
