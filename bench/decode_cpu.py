@@ -18,17 +18,7 @@ import time
 
 import numpy as np
 
-
-def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Best-of-N large memcpy bandwidth (read + write bytes per second)."""
-    src = np.ones(megabytes * 2**20 // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best / 1e9
+from conflux_jax.bench.host_floor import copy_bandwidth_gbs
 
 
 def ours_ms_per_token(prompt: str, tokens: int) -> tuple[float, float, int]:

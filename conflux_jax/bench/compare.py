@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-bound", action="store_true",
                     help="skip the dense-layer bound (see conflux_jax.bench.dense_bound)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--host-copy-mb", type=int, default=512,
+                    help="buffer size of the host floor's copy-bandwidth measurement")
     args = ap.parse_args(argv)
 
     if args.url:
@@ -299,15 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         # The machine is shared: keep the least-disturbed (fastest) of the repeats.
         return dataclasses.asdict(min(runs, key=lambda m: m.wall_s))
 
+    from conflux_jax.bench.host_floor import host_floor
+    from conflux_jax.checkpoints import load_checkpoint
+
+    ckpt = load_checkpoint(args.model)  # the bound's weights, the host floor's shapes
     bound = None
     if not args.url and not args.no_bound:
         import jax
 
         from conflux_jax.bench.dense_bound import dense_bound
-        from conflux_jax.checkpoints import load_checkpoint
         from conflux_jax.models.params import with_layer_list
 
-        ckpt = load_checkpoint(args.model)
         # Both layer loops are timed (the bound takes the faster): see dense_seconds.
         params = jax.device_put(with_layer_list(ckpt.params))
         bound = lambda c: dense_bound(ckpt.config, params, c, args.prompt_len,  # noqa: E731
@@ -328,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"concurrency": c, **{k: best(v) for k, v in runs.items()}})
         if bounds:
             rows[-1]["dense_bound"] = max(bounds, key=lambda b: b.tokens_per_s).as_dict()
+        # Every row records this host's floor for a decode step of c rows (issue 19:
+        # results from different hosts are read against their own floors).
+        rows[-1]["host_floor"] = host_floor(ckpt.config, c, args.host_copy_mb).as_dict()
 
     for peer in peers:
         peer.close()
@@ -359,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
                            for p in peers)
             print(f"{'':>4} {'bound':<10} {b['tokens_per_s']:>10.1f} {'':>9} "
                   f"{1e3 * b['decode_step_s']:>8.1f}   = {of}")
+    h = rows[-1]["host_floor"]
+    print(f"host: {h['cpu']}; {' '.join(h['isa'])}; copy {h['copy_gbs']:.1f} GB/s")
+    for row in rows:
+        f = row["host_floor"]
+        print(f"{row['concurrency']:>4} rows: sgemm {f['sgemm_gflops']:.0f} GFLOP/s on the "
+              f"step's shapes; decode-step floor {1e3 * f['floor_s']:.1f} ms (memory "
+              f"{1e3 * f['memory_s']:.1f}, compute {1e3 * f['compute_s']:.1f}); ours TBT "
+              f"{row['ours']['tbt_ms'] / (1e3 * f['floor_s']):.2f}x floor")
     print("ratios: ours over peer for tok/s, peer over ours for TTFT/TBT (>1 = ours better)")
     if any("dense_bound" in row for row in rows):
         print("bound: the dense layers and LM head alone (no attention, KV, sampling or host "

@@ -20,7 +20,7 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
     out = tmp_path / "c.json"
     assert main(["compare", "--model", str(folder), "--concurrency", "1", "3",
                  "--prompt-len", "6", "--max-tokens", "3", "--max-model-len", "64",
-                 "--json", str(out)]) == 0
+                 "--host-copy-mb", "8", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [r["concurrency"] for r in d["rows"]] == [1, 3]
     assert d["peers"] == ["hf"] and "llama.cpp" in d["skipped_peers"]  # GGUF only
@@ -31,8 +31,11 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
         assert b["decode_s"] == pytest.approx(2 * b["decode_step_s"])
         assert b["tokens_per_s"] == pytest.approx(
             row["concurrency"] * 3 / (b["prefill_s"] + b["decode_s"]))
+        f = row["host_floor"]  # this host's floor for a step of that many rows
+        assert f["rows"] == row["concurrency"] and f["floor_s"] > 0 and f["copy_gbs"] > 0
     text = capsys.readouterr().out
     assert "ratio tok/s" in text and "hf" in text and "bound" in text
+    assert "decode-step floor" in text and "x floor" in text
 
 
 def test_llama_cpp_peer_batches_like_solo_runs() -> None:

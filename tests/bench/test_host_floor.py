@@ -1,0 +1,29 @@
+"""The host floor: shapes counted from the real params, the floor the larger of its parts."""
+
+import numpy as np
+import pytest
+from tiny_models import TINY_LLAMA
+
+from conflux_jax.bench.host_floor import ISA_FLAGS, host_floor, step_matrices
+from conflux_jax.models.decoder import random_params
+
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def test_step_matrices_are_the_models_linears_and_lm_head():
+    params = random_params(TINY_LLAMA, seed=0)
+    # Oracle: every matrix the params hold that a decode step multiplies by.
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
+    want = sum(np.asarray(params["layers"][k]).size for k in LINEARS) + np.asarray(head).size
+    assert sum(c * k * n for c, k, n in step_matrices(TINY_LLAMA)) == want
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_floor_is_the_larger_of_memory_and_compute(rows):
+    f = host_floor(TINY_LLAMA, rows, copy_megabytes=8, repeats=2)
+    assert f.rows == rows and set(f.isa) <= set(ISA_FLAGS) and f.cpu
+    assert f.weight_bytes == 4 * sum(c * k * n for c, k, n in step_matrices(TINY_LLAMA))
+    assert f.flops == 2 * rows * f.weight_bytes // 4
+    assert f.memory_s == pytest.approx(f.weight_bytes / (f.copy_gbs * 1e9))
+    assert f.sgemm_gflops == pytest.approx(f.flops / f.compute_s / 1e9)
+    assert f.floor_s == max(f.memory_s, f.compute_s) > 0
