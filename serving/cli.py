@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pages per rank (default: what --gpu-memory-utilization leaves "
                         "on a GPU/TPU; 256 on CPU)")
+    p.add_argument("--layer-loop", choices=("auto", "scan", "unroll-decode"), default="auto",
+                   help="how steps run the layers: scan, or unroll-decode (decode-only steps "
+                        "unrolled over a per-layer copy of the weights: 1.2-1.3x faster "
+                        "16-request decode steps on CPU, ~15 s more warm-up per decode "
+                        "shape, 2x weight memory); auto = scan")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="share of each device's memory for weights, the largest step's "
                         "temporaries and the KV cache, as in vLLM (default 0.9 on a "
@@ -185,7 +190,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
                               buckets=buckets, dtype=dtype,
                               num_top_logprobs=args.max_logprobs,
                               compile_cache=args.compile_cache,
-                              gpu_memory_utilization=args.gpu_memory_utilization)
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              layer_loop=args.layer_loop)
     return ckpt, executor
 
 

@@ -85,9 +85,10 @@ class ExecutorConfig:
     device_memory_bytes: int | None = None  # one device's memory; None = ask the device
     # How steps run the layers: "scan" (compile time flat in depth) or "unroll-decode"
     # (decode-only steps unrolled over a second, per-layer copy of the layer weights,
-    # which spares XLA:CPU a copy of every layer's weights per step; steps with prefill
-    # still scan, as unrolling them costs ~5x the warm-up). "auto" = unroll-decode on
-    # CPU, scan elsewhere.
+    # which spares XLA:CPU a copy of every layer's weights per step: 1.2-1.3x faster
+    # 16-request decode steps; steps with prefill still scan). "auto" = scan for now:
+    # an unrolled decode shape compiles ~15 s longer on CPU, which the warm-up and the
+    # test suite cannot yet afford (bench/RESULTS.md, issue 19).
     layer_loop: str = "auto"
 
 
@@ -98,9 +99,8 @@ def resolve_layer_loop(layer_loop: str, platform: str) -> str:
     """"scan" or "unroll-decode" for ``ExecutorConfig.layer_loop`` on ``platform``."""
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
-    if layer_loop == "auto":
-        return "unroll-decode" if platform == "cpu" else "scan"
-    return layer_loop
+    del platform  # "auto" may differ by platform once unrolling compiles cheaply
+    return "scan" if layer_loop == "auto" else layer_loop
 
 
 CPU_NUM_PAGES = 256  # per rank, when a CPU is not asked to size the pool from memory

@@ -26,10 +26,10 @@ def make_executor(config, mesh, params, layer_loop="auto"):
     return JaxExecutor(config, params, ec)
 
 
-CASES = {  # name: (config, mesh, iteration mode[, layer loop]); on CPU "auto" unrolls
-    # decode-only steps, so the scanned decode step (the accelerators') gets its own case.
+CASES = {  # name: (config, mesh, iteration mode[, layer loop])
     "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),
-    "llama-sp4-scan": (TINY_LLAMA, "sp=4,tp=1", "conflux", "scan"),
+    "llama-sp4-unroll-decode": (TINY_LLAMA, "sp=4,tp=1", "conflux", "unroll-decode"),
+    "llama-sp2-tp2-unroll-decode": (TINY_LLAMA, "sp=2,tp=2", "conflux", "unroll-decode"),
     "qwen3-sp4": (TINY_QWEN3, "sp=4,tp=1", "conflux"),
     "llama-sp2-tp2": (TINY_LLAMA, "sp=2,tp=2", "conflux"),
     "smol-padded-sp4": (TINY_SMOL, "sp=4,tp=1", "conflux"),
