@@ -95,11 +95,10 @@ class ExecutorConfig:
 LAYER_LOOPS = ("auto", "scan", "unroll-decode")
 
 
-def resolve_layer_loop(layer_loop: str, platform: str) -> str:
-    """"scan" or "unroll-decode" for ``ExecutorConfig.layer_loop`` on ``platform``."""
+def resolve_layer_loop(layer_loop: str) -> str:
+    """"scan" or "unroll-decode" for ``ExecutorConfig.layer_loop``."""
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
-    del platform  # "auto" may differ by platform once unrolling compiles cheaply
     return "scan" if layer_loop == "auto" else layer_loop
 
 
@@ -148,7 +147,7 @@ class JaxExecutor:
         self.buckets = buckets
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
-        unroll_decode = resolve_layer_loop(ec.layer_loop, self.platform) == "unroll-decode"
+        unroll_decode = resolve_layer_loop(ec.layer_loop) == "unroll-decode"
         if unroll_decode:
             padded_params = with_layer_list(padded_params)
         self._param_specs = param_specs(padded_params)
