@@ -39,7 +39,6 @@ from conflux_jax.bench.serve import engine_from_model, run_engine
 from conflux_jax.bench.serve_workload import ServeRequest
 from conflux_jax.checkpoints import load_checkpoint
 from conflux_jax.executor.batch import StepBatch
-from conflux_jax.models.params import with_layer_list
 
 
 def capture(engine: Any, prompt_len: int, max_tokens: int, concurrency: int,  # noqa: ANN401
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             p.length for p in plan.prefill) >= 200 and bool(plan.decode)),
     }
     ckpt = load_checkpoint("default")
-    params = jax.device_put(with_layer_list(ckpt.params))  # both layer loops: dense_seconds
+    params = jax.device_put(ckpt.params)
     report: dict[str, dict[str, Any]] = {}
     for name, step in steps.items():
         if step is None:

@@ -124,6 +124,9 @@ def test_wheel_holds_the_packages_and_their_data_only(installed: Installed) -> N
     want_coeffs = set(fnmatch.filter(jsons, COEFFS_GLOB))
     assert want_coeffs, "no conflux_jax/**/coeffs/*.json in the source tree"
     assert want_coeffs == set(fnmatch.filter(names, COEFFS_GLOB))
+    # C++ sources compiled on first use (the CPU GEMM) ship with their modules.
+    want_cc = {p.relative_to(REPO).as_posix() for p in (REPO / "pallas_kernels").rglob("*.cc")}
+    assert want_cc and want_cc <= set(names), sorted(want_cc - set(names))
 
 
 def test_imports_come_from_the_wheel_not_the_checkout(installed: Installed) -> None:

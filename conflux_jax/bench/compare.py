@@ -310,10 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         from conflux_jax.bench.dense_bound import dense_bound
-        from conflux_jax.models.params import with_layer_list
 
-        # Both layer loops are timed (the bound takes the faster): see dense_seconds.
-        params = jax.device_put(with_layer_list(ckpt.params))
+        params = jax.device_put(ckpt.params)
         bound = lambda c: dense_bound(ckpt.config, params, c, args.prompt_len,  # noqa: E731
                                       args.max_tokens)
     rows = []

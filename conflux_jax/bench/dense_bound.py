@@ -21,6 +21,7 @@ import numpy as np
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params
+from pallas_kernels.cpu_gemm import blas_available
 
 # Prefill is priced at steps of up to this many tokens: the linears already run near the
 # CPU's matmul peak there, so larger steps gain nothing per token.
@@ -41,17 +42,16 @@ class DenseBound:
         return dataclasses.asdict(self)
 
 
-@functools.cache  # one compiled function per (config, lm_head, unroll), shared by repeats
-def _dense_fn(config: ModelConfig, lm_head: bool, unroll: bool = False):
+@functools.cache  # one compiled function per (config, lm_head, linears), shared by repeats
+def _dense_fn(config: ModelConfig, lm_head: bool, linears: str = "xla"):
     """(params, x f32[T, D], positions i32[T]) -> the blocks' output f32[T, D], or the
-    logits f32[T, V] of every row; ``unroll`` runs the layers unrolled (the params need
-    ``layer_list``). The weights are arguments: closed over, they would be compiled in
-    as constants."""
+    logits f32[T, V] of every row; ``linears`` as in ``Decoder.run_layers``. The weights
+    are arguments: closed over, they would be compiled in as constants."""
 
     def run(params: Params, x: jax.Array, positions: jax.Array) -> jax.Array:
         model = Decoder(config, params)
         h, _ = model.run_layers(x, positions, lambda layer, q, k, v, kv: (q, kv), None,
-                                unroll=unroll)
+                                linears=linears)
         return model.logits(h) if lm_head else h
 
     return jax.jit(run)
@@ -59,15 +59,15 @@ def _dense_fn(config: ModelConfig, lm_head: bool, unroll: bool = False):
 
 def dense_seconds(config: ModelConfig, params: Params, rows: int, lm_head: bool,
                   repeats: int = 5) -> float:
-    """Fastest of ``repeats`` runs of the dense layers on ``rows`` tokens, under each layer
-    loop the params allow (both when they carry ``layer_list``): a bound takes the
-    faster."""
+    """Fastest of ``repeats`` runs of the dense layers on ``rows`` tokens, with each way of
+    running the linears this host can (XLA's dot; OpenBLAS where it builds): a bound takes
+    the faster."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal(
         (rows, config.hidden_size)), jnp.float32)
     positions = jnp.arange(rows, dtype=jnp.int32)
     best = float("inf")
-    for unroll in (False, True) if "layer_list" in params else (False,):
-        fn = _dense_fn(config, lm_head, unroll)
+    for linears in ("xla", "blas") if blas_available()[0] else ("xla",):
+        fn = _dense_fn(config, lm_head, linears)
         fn(params, x, positions).block_until_ready()  # compile
 
         def once() -> float:

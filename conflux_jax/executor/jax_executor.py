@@ -48,7 +48,8 @@ from conflux_jax.executor.step import (
     transfer_link_bytes,
 )
 from conflux_jax.latency.roofline import hardware_for_device_kind
-from conflux_jax.models.params import Params, with_layer_list
+from conflux_jax.models.decoder import LINEARS
+from conflux_jax.models.params import Params
 from conflux_jax.plan import (
     ExecutorLost,
     IterationPlan,
@@ -60,6 +61,7 @@ from conflux_jax.plan import (
     StepResult,
 )
 from conflux_jax.sampling import mask_words
+from pallas_kernels.cpu_gemm import blas_available
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +85,37 @@ class ExecutorConfig:
     # the largest step's temporaries and the KV pool may use. None = 0.9 on an accelerator.
     gpu_memory_utilization: float | None = None
     device_memory_bytes: int | None = None  # one device's memory; None = ask the device
-    # How steps run the layers: "scan" (compile time flat in depth) or "unroll-decode"
-    # (decode-only steps unrolled over a second, per-layer copy of the layer weights,
-    # which spares XLA:CPU a copy of every layer's weights per step: 1.2-1.3x faster
-    # 16-request decode steps; steps with prefill still scan). "auto" = scan for now:
-    # an unrolled decode shape compiles ~15 s longer on CPU, which the warm-up and the
-    # test suite cannot yet afford (bench/RESULTS.md, issue 19).
-    layer_loop: str = "auto"
+    # How the linears run: "xla" (XLA's dot) or "blas" (OpenBLAS through an FFI call that
+    # reads each layer's weights in place, sparing XLA:CPU a copy of them per layer: 1.2-
+    # 1.4x faster 16-request decode steps; fp32 on the CPU). "auto" = blas where it can
+    # run (CPU, fp32, the handler builds), else xla. See ``Decoder.run_layers``.
+    linears: str = "auto"
 
 
-LAYER_LOOPS = ("auto", "scan", "unroll-decode")
+LINEAR_CHOICES = ("auto", *LINEARS)
 
 
-def resolve_layer_loop(layer_loop: str) -> str:
-    """"scan" or "unroll-decode" for ``ExecutorConfig.layer_loop``."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
-    return "scan" if layer_loop == "auto" else layer_loop
+def resolve_linears(linears: str, platform: str, dtype: Any) -> str:
+    """"xla" or "blas" for ``ExecutorConfig.linears``; "blas" asked for where it cannot
+    run is refused with the reason."""
+    if linears not in LINEAR_CHOICES:
+        raise ValueError(f"linears must be one of {LINEAR_CHOICES}, got {linears!r}")
+    if linears == "xla":
+        return linears
+    why = ""
+    if platform != "cpu":
+        why = f"it runs on the CPU only (this mesh is {platform})"
+    elif jnp.dtype(dtype) != jnp.float32:
+        why = f"it is fp32 only (dtype is {jnp.dtype(dtype).name})"
+    else:
+        ok, why = blas_available()
+    if not why:
+        return "blas"
+    if linears == "blas":
+        raise ValueError(f"linears='blas' cannot run: {why}")
+    if platform == "cpu":
+        log.warning("linears: XLA's dot (OpenBLAS unavailable: %s)", why)
+    return "xla"
 
 
 CPU_NUM_PAGES = 256  # per rank, when a CPU is not asked to size the pool from memory
@@ -147,9 +163,7 @@ class JaxExecutor:
         self.buckets = buckets
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
-        unroll_decode = resolve_layer_loop(ec.layer_loop) == "unroll-decode"
-        if unroll_decode:
-            padded_params = with_layer_list(padded_params)
+        self.linears = resolve_linears(ec.linears, self.platform, self.dtype)
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
 
@@ -172,7 +186,8 @@ class JaxExecutor:
                 model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
                 num_pages=num_pages, num_top_logprobs=ec.num_top_logprobs,
                 attention_impl=ec.attention_impl, return_logits=ec.return_logits,
-                unroll_decode=unroll_decode, replicate_samples=self.process_count > 1)
+                linears=self.linears,
+                replicate_samples=self.process_count > 1)
 
         def layout(num_pages: int) -> BatchLayout:
             return BatchLayout(n, self.buckets.max_prefill_seqs, prefill_pages_per_seq,

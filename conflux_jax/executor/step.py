@@ -54,9 +54,7 @@ class StepConfig:
     num_top_logprobs: int = 0
     attention_impl: str | None = None  # None = auto (see pallas_kernels)
     return_logits: bool = False  # tests: also return the sampled rows' logits f32[N, R, V]
-    # Decode-only steps run the layers unrolled (the params also hold per-layer weights:
-    # ``with_layer_list``); steps with prefill scan them. See ``Decoder.run_layers``.
-    unroll_decode: bool = False
+    linears: str = "xla"  # "blas": OpenBLAS in place of XLA's dot (``Decoder.run_layers``)
     # Multi-process: return the sampled rows replicated, so that process 0 (which only
     # holds its own ranks' shards) reads every rank's tokens; one small all-gather.
     replicate_samples: bool = False
@@ -87,19 +85,15 @@ def param_specs(params: Params) -> Params:
     column = {"wq", "wk", "wv", "w_gate", "w_up"}
     row = {"wo", "w_down"}
 
-    def spec(name: str, stacked: bool = True) -> P:
-        lead = (None,) if stacked else ()
+    def spec(name: str) -> P:
         if name in column:
-            return P(*lead, None, TP)
+            return P(None, None, TP)
         if name in row:
-            return P(*lead, TP, None)
+            return P(None, TP, None)
         return P()
 
-    out: dict[str, Any] = {k: P() for k in params if k not in ("layers", "layer_list")}
+    out: dict[str, Any] = {k: P() for k in params if k != "layers"}
     out["layers"] = {k: spec(k) for k in params["layers"]}
-    if "layer_list" in params:  # per-layer weights (with_layer_list)
-        out["layer_list"] = tuple({k: spec(k, stacked=False) for k in w}
-                                  for w in params["layer_list"])
     return out
 
 
@@ -159,7 +153,7 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     x = model.embed_tokens(b.tokens)
     tp_axis = TP if cfg.tp > 1 else None
     x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis,
-                                           unroll=cfg.unroll_decode and not p)
+                                           linears=cfg.linears)
     rows = b.sample
     logits = model.logits(x[rows.index])  # f32[R, V]
     adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,

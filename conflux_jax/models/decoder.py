@@ -1,8 +1,7 @@
 """The Flax NNX decoder shared by Llama 3.x, SmolLM2 and Qwen3.
 
 Layer weights are stacked on a leading ``[L]`` axis and run with ``lax.scan`` so compile
-time stays flat in depth; given the per-layer weights too (``with_layer_list``) the layers
-can also be unrolled, which on XLA:CPU spares a copy of every layer's weights per step.
+time stays flat in depth.
 Attention is a callback: the dense reference, the paged Conflux
 step and the baselines all reuse the same layer math and differ only in how they attend
 and where they keep KV. Every method works on a flat token axis ``[..., D]`` and derives
@@ -12,6 +11,7 @@ inside ``shard_map`` (pass ``tp_axis`` to all-reduce the row-parallel outputs).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -23,11 +23,20 @@ from flax import nnx
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.params import Params, param_shapes, validate_params
 from conflux_jax.models.rope import apply_rope, inverse_frequencies
+from pallas_kernels.cpu_gemm import stacked_matmul
 
 KV = TypeVar("KV")  # whatever KV state an attention backend carries through the layers
 
 # attend(layer, q f[..., Hq, d], k f[..., Hkv, d], v f[..., Hkv, d], kv) -> (o f[..., Hq, d], kv)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+LINEARS = ("xla", "blas")  # how the linears run: XLA's dot, or OpenBLAS in place (CPU)
+# Token rows for which "blas" calls OpenBLAS; XLA's dot takes the rest. SmolLM2's 30 dense
+# layers in a scan on a 2-core AVX2 host (bench/linears_rows.py): 1.6-1.8x faster through
+# OpenBLAS at 3-32 rows, 1.4x at 64, 1.1x at 128; slower at one row (XLA's matrix-vector
+# loop reads the stacked weights in place), even at 256 (a prefill chunk, where XLA's dot
+# amortizes its copy).
+BLAS_MIN_ROWS, BLAS_MAX_ROWS = 2, 128
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
                  "mlp_norm", "w_gate", "w_up", "w_down")
@@ -67,9 +76,6 @@ class Decoder(nnx.Module):
         self.final_norm = nnx.Param(params["final_norm"])
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
         self.layers = DecoderLayers(params["layers"])
-        # Per-layer weights (plain arrays, not Params: they only run, never saved).
-        layer_list = params.get("layer_list")
-        self.layer_list = nnx.data(None if layer_list is None else tuple(map(dict, layer_list)))
         self.inv_freq = nnx.Variable(jnp.asarray(inverse_frequencies(config)))
 
     # ----------------------------------------------------------------- construction
@@ -102,54 +108,68 @@ class Decoder(nnx.Module):
         attend: AttendFn,
         kv: KV,
         tp_axis: str | None = None,
-        unroll: bool = False,
+        linears: str = "xla",
     ) -> tuple[jax.Array, KV]:
         """All transformer blocks; ``kv`` is carried so pools update in place.
 
-        By default the layers run under ``lax.scan``. ``unroll`` (the params need
-        ``layer_list``) runs them as straight-line code: inside a
-        loop XLA:CPU copies each layer's weights out of the stacked arrays before every
-        matmul (a dynamic slice it does not fuse into the dot), ~40% of a 16-row decode
-        step of SmolLM2; unrolled over separate arrays there is nothing to copy, at ~5x
-        the compile time.
+        The layers run under ``lax.scan``. Inside the loop XLA:CPU copies each layer's
+        weights out of the stacked arrays before every matmul (a dynamic slice it does not
+        fold into the dot), ~35% of a 16-row decode step of SmolLM2. ``linears="blas"``
+        (fp32 on the CPU) runs the linears of ``BLAS_MIN_ROWS..BLAS_MAX_ROWS`` rows as OpenBLAS
+        calls that read the layer in place instead (``pallas_kernels.cpu_gemm``); it
+        compiles as fast as the plain scan (unrolling the layers, the other way to spare
+        the copy, was slower still and compiled ~5x longer).
         """
+        if linears not in LINEARS:
+            raise ValueError(f"linears must be one of {LINEARS}, got {linears!r}")
         cfg = self.config
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
 
         def block(carry, layer_in):
             h, kv = carry
-            w, layer = layer_in
-            a = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-            q = linear(a, w["wq"]).reshape(*a.shape[:-1], -1, head_dim)
-            k = linear(a, w["wk"]).reshape(*a.shape[:-1], -1, head_dim)
-            v = linear(a, w["wv"]).reshape(*a.shape[:-1], -1, head_dim)
+            w, layer = layer_in  # w: this layer's weights, or all of them stacked (blas)
+
+            def lin(a: jax.Array, name: str) -> jax.Array:
+                if linears != "blas":
+                    return linear(a, w[name])
+                if BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
+                    return stacked_matmul(a, w[name], layer).astype(a.dtype)
+                return linear(a, w[name][layer])  # XLA's dot is as fast here, copy and all
+
+            def norm(a: jax.Array, name: str) -> jax.Array:
+                weight = w[name][layer] if linears == "blas" else w[name]
+                return rms_norm(a, weight, cfg.rms_norm_eps)
+
+            a = norm(h, "attn_norm")
+            q = lin(a, "wq").reshape(*a.shape[:-1], -1, head_dim)
+            k = lin(a, "wk").reshape(*a.shape[:-1], -1, head_dim)
+            v = lin(a, "wv").reshape(*a.shape[:-1], -1, head_dim)
             if cfg.qk_norm:
-                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+                q = norm(q, "q_norm")
+                k = norm(k, "k_norm")
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             o, kv = attend(layer, q, k, v, kv)
-            attn_out = linear(o.reshape(*o.shape[:-2], -1), w["wo"])
+            attn_out = lin(o.reshape(*o.shape[:-2], -1), "wo")
             h = h + _all_reduce(attn_out, tp_axis)
-            m = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-            ffn = linear(jax.nn.silu(linear(m, w["w_gate"])) * linear(m, w["w_up"]), w["w_down"])
+            m = norm(h, "mlp_norm")
+            ffn = lin(jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up"), "w_down")
             h = h + _all_reduce(ffn, tp_axis)
             return (h, kv), None
 
-        if unroll:
-            if self.layer_list is None:
-                raise ValueError("unroll needs per-layer weights (models.params.with_layer_list)")
-            for i, w in enumerate(self.layer_list):
-                (x, kv), _ = block((x, kv), (w, jnp.int32(i)))
-            return x, kv
-        weights = self.layers.stacked()
+        stacked = self.layers.stacked()
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(block, (x, kv), (weights, layer_ids))
+        if linears == "blas":  # the weights stay a loop constant: scanned, they are sliced
+            (x, kv), _ = jax.lax.scan(lambda c, i: block(c, (stacked, i)), (x, kv), layer_ids)
+        else:
+            (x, kv), _ = jax.lax.scan(block, (x, kv), (stacked, layer_ids))
         return x, kv
 
     def logits(self, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
-        """x f[..., D] -> f32[..., V]: final norm and LM head (tied head = embedding^T)."""
+        """x f[..., D] -> f32[..., V]: final norm and LM head (tied head = embedding^T).
+        XLA's dot even with ``linears="blas"``: the head is not stacked, so there is no copy
+        to spare, and OpenBLAS was no faster at 16-64 rows (3x slower at one)."""
         h = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
         head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
         return jnp.matmul(h, head, preferred_element_type=jnp.float32)

@@ -19,10 +19,6 @@ leading ``[L]`` axis so the decoder runs its layers with ``lax.scan``::
       w_gate     f[L, D, F]
       w_up       f[L, D, F]
       w_down     f[L, F, D]
-
-``with_layer_list`` adds the same weights once more as ``layer_list``, a tuple of L
-per-layer dicts (``wq`` f[D, Hq*d], ...), for the unrolled layer loop
-(``Decoder.run_layers``).
 """
 
 from __future__ import annotations
@@ -33,16 +29,6 @@ from typing import Any
 from conflux_jax.config import ModelConfig
 
 Params = dict[str, Any]  # nested dict of arrays, layout above
-
-
-def with_layer_list(params: Params) -> Params:
-    """``params`` plus ``layer_list``: the stacked layer weights again as a tuple of L
-    per-layer dicts (copies on a device; numpy or device arrays alike)."""
-    layers = params["layers"]
-    num_layers = len(next(iter(layers.values())))
-    out = dict(params)
-    out["layer_list"] = tuple({k: v[i] for k, v in layers.items()} for i in range(num_layers))
-    return out
 
 
 class CheckpointError(ValueError):

@@ -8,8 +8,7 @@ import pytest
 from tiny_models import TINY_LLAMA
 
 from conflux_jax.bench import dense_bound as db
-from conflux_jax.models.decoder import Decoder, random_params
-from conflux_jax.models.params import with_layer_list
+from conflux_jax.models.decoder import BLAS_MAX_ROWS, BLAS_MIN_ROWS, Decoder, random_params
 
 
 @pytest.mark.parametrize(("c", "prompt_len", "prefill_steps", "step", "decode_rows"), [
@@ -41,15 +40,15 @@ def test_bound_prices_prefill_steps_and_decode_steps(monkeypatch, c, prompt_len,
     assert b.tokens_per_s == pytest.approx(c * 9 / (prefill_steps * 0.5 + 8 * step_s))
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_dense_fn_is_the_model_with_attention_as_identity(unroll):
+@pytest.mark.parametrize(("linears", "t"), [("xla", 5), ("blas", 5), ("blas", BLAS_MAX_ROWS + 3),
+                                             ("blas", BLAS_MIN_ROWS - 1)])  # XLA's dot again
+def test_dense_fn_is_the_model_with_attention_as_identity(linears, t):
     cfg, params = TINY_LLAMA, random_params(TINY_LLAMA, seed=0)
     model = Decoder.from_params(cfg, params)
-    t, dim = 5, cfg.hidden_size
+    dim = cfg.hidden_size
     x = jnp.asarray(np.random.default_rng(1).standard_normal((t, dim)), jnp.float32)
     pos = jnp.arange(t, dtype=jnp.int32)
-    got = db._dense_fn(cfg, lm_head=True, unroll=unroll)(
-        with_layer_list(params) if unroll else params, x, pos)
+    got = db._dense_fn(cfg, lm_head=True, linears=linears)(params, x, pos)
     # Oracle: the same blocks written out from the weights, attention output = q.
     w = {k: np.asarray(v) for k, v in model.layers.stacked().items()}
     eps = model.config.rms_norm_eps

@@ -20,16 +20,15 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulat
 BUCKETS = BucketConfig(tokens=(8, 32), decode=(8,), decode_pages=(32,), max_prefill_seqs=4)
 
 
-def make_executor(config, mesh, params, layer_loop="auto"):
+def make_executor(config, mesh, params, linears="auto"):
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
-                        buckets=BUCKETS, return_logits=True, layer_loop=layer_loop)
+                        buckets=BUCKETS, return_logits=True, linears=linears)
     return JaxExecutor(config, params, ec)
 
 
-CASES = {  # name: (config, mesh, iteration mode[, layer loop])
+CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU "auto" is OpenBLAS
     "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),
-    "llama-sp4-unroll-decode": (TINY_LLAMA, "sp=4,tp=1", "conflux", "unroll-decode"),
-    "llama-sp2-tp2-unroll-decode": (TINY_LLAMA, "sp=2,tp=2", "conflux", "unroll-decode"),
+    "llama-sp2-tp2-xla-linears": (TINY_LLAMA, "sp=2,tp=2", "conflux", "xla"),
     "qwen3-sp4": (TINY_QWEN3, "sp=4,tp=1", "conflux"),
     "llama-sp2-tp2": (TINY_LLAMA, "sp=2,tp=2", "conflux"),
     "smol-padded-sp4": (TINY_SMOL, "sp=4,tp=1", "conflux"),
@@ -39,11 +38,11 @@ CASES = {  # name: (config, mesh, iteration mode[, layer loop])
 _executors: dict[tuple, tuple] = {}
 
 
-def _executor(config, mesh, layer_loop="auto"):
-    key = (config, mesh, layer_loop)
+def _executor(config, mesh, linears="auto"):
+    key = (config, mesh, linears)
     if key not in _executors:
         params = random_params(config, seed=1, scale=0.2)
-        _executors[key] = (make_executor(config, mesh, params, layer_loop), params)
+        _executors[key] = (make_executor(config, mesh, params, linears), params)
     return _executors[key]
 
 
@@ -51,8 +50,8 @@ def _executor(config, mesh, layer_loop="auto"):
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1))
 def test_random_mixed_iterations_match_reference(case, seed):
-    config, mesh, mode, *layer_loop = CASES[case]
-    ex, params = _executor(config, mesh, *layer_loop)
+    config, mesh, mode, *linears = CASES[case]
+    ex, params = _executor(config, mesh, *linears)
     stats = run_random_workload(ex, params, np.random.default_rng(seed), num_requests=6,
                                 max_prompt=40, max_output=6, mode=mode)
     assert stats["checked"] >= 6

@@ -28,16 +28,10 @@ def test_pool_is_what_memory_leaves_after_weights_and_the_largest_step(caplog) -
     m = TINY_LLAMA
     # Weights are replicated over sp: each device holds all of them, in float32.
     weights = sum(np.asarray(a).size for a in jax.tree.leaves(PARAMS)) * 4
-    # unroll-decode keeps a second, per-layer copy of the layer weights.
-    layers = sum(np.asarray(a).size for a in jax.tree.leaves(PARAMS["layers"])) * 4
     page = 2 * m.num_layers * 4 * m.num_kv_heads * m.head_dim * 4  # K+V, all layers
     with caplog.at_level(logging.INFO, logger="conflux_jax.executor.jax_executor"):
         ex = _executor(gpu_memory_utilization=0.5, device_memory_bytes=8 * MIB)
     mp = ex.memory
-    unrolled = _executor(gpu_memory_utilization=0.5, device_memory_bytes=8 * MIB,
-                         layer_loop="unroll-decode")
-    assert unrolled.memory.weight_bytes == weights + layers
-    assert not ex.step_config.unroll_decode
     assert mp.weight_bytes == weights and mp.page_bytes == page
     # The temporaries were read from a stand-in pool's compile; the real pool's largest
     # step needs the same (nothing in a step is pool-sized: test_memory_safety.py).
@@ -63,6 +57,12 @@ def test_cpu_keeps_its_page_count_unless_asked() -> None:
     assert _executor(num_pages=40, gpu_memory_utilization=0.5).kv.num_pages == 40  # wins
 
 
-def test_an_unknown_layer_loop_is_refused() -> None:
-    with pytest.raises(ValueError, match="layer_loop must be one of"):
-        _executor(layer_loop="unrolled")
+def test_linears_the_host_cannot_run_are_refused() -> None:
+    assert _executor().step_config.linears == "blas"  # auto, fp32 on the CPU
+    assert _executor(linears="xla").step_config.linears == "xla"
+    with pytest.raises(ValueError, match="linears must be one of"):
+        _executor(linears="onednn")
+    with pytest.raises(ValueError, match="linears='blas' cannot run: it is fp32 only"):
+        _executor(linears="blas", dtype="bfloat16")
+    # auto falls back to XLA's dot where OpenBLAS cannot run.
+    assert _executor(dtype="bfloat16").step_config.linears == "xla"

@@ -1,0 +1,12 @@
+"""The CPU's dense GEMM: OpenBLAS through an XLA FFI call, reading stacked weights in place."""
+
+from pallas_kernels.cpu_gemm.stacked_gemm import (
+    CACHE_ENV_VAR,
+    blas_available,
+    load_library,
+    stacked_matmul,
+    stacked_matmul_xla,
+)
+
+__all__ = ["CACHE_ENV_VAR", "blas_available", "load_library", "stacked_matmul",
+           "stacked_matmul_xla"]

@@ -1,0 +1,121 @@
+"""Stacked-weight GEMM on the CPU: ``x @ w[layer]`` through OpenBLAS, as an XLA FFI call.
+
+Inside the decoder's layer ``scan`` XLA:CPU copies ``w[layer]`` out of the stacked ``[L, ...]``
+weights before every dot (a dynamic slice it does not fold into the dot): for SmolLM2 at 16
+decode rows that copy was ~35% of the step. A custom call receives the whole stacked buffer
+untouched, so ``stacked_matmul`` reads the layer in place and hands it to OpenBLAS's sgemm
+(the ``scipy-openblas32`` wheel that NumPy and SciPy's own builds come from).
+
+The C++ handler (``stacked_gemm.cc``) is compiled on first use with the system C++ compiler
+(seconds) into ``$CONFLUX_KERNEL_CACHE`` (default ``~/.cache/conflux_jax/kernels``), keyed by
+the source and the jaxlib and OpenBLAS versions. ``stacked_matmul_xla`` is the same contract
+in plain ``jnp``: the oracle the tests check against, and the path on other platforms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["CACHE_ENV_VAR", "blas_available", "load_library", "stacked_matmul",
+           "stacked_matmul_xla"]
+
+CACHE_ENV_VAR = "CONFLUX_KERNEL_CACHE"
+TARGET = "conflux_stacked_gemm"
+_SOURCE = Path(__file__).with_name("stacked_gemm.cc")
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "conflux_jax" / "kernels"
+
+
+def _build(source: Path, out: Path, include: list[str], lib_dir: str, lib: str) -> None:
+    cxx = os.environ.get("CXX", "c++")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # atomic: concurrent builders
+        partial = Path(tmp) / out.name
+        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+               *(f"-I{d}" for d in include), str(source), f"-L{lib_dir}", f"-l{lib}",
+               f"-Wl,-rpath,{lib_dir}", "-o", str(partial)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise RuntimeError(f"cannot run the C++ compiler {cxx!r} ($CXX): {e}") from e
+        if done.returncode != 0:
+            raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, out)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Build (once per source/version) and load the handler; register it with XLA.
+    Raises RuntimeError naming what is missing (the wheel, a C++ compiler)."""
+    try:
+        import scipy_openblas32 as blas
+    except ImportError as e:
+        raise RuntimeError("the CPU GEMM needs the scipy-openblas32 wheel "
+                           "(pip install scipy-openblas32)") from e
+    include = [jax.ffi.include_dir(), blas.get_include_dir()]
+    key = hashlib.sha256(b"\0".join([
+        _SOURCE.read_bytes(), jax.__version__.encode(), jax.lib.__version__.encode(),
+        blas.__version__.encode()])).hexdigest()[:16]
+    path = _cache_dir() / f"stacked_gemm-{key}.so"
+    if not path.exists():
+        _build(_SOURCE, path, include, blas.get_lib_dir(), blas.get_library())
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ConfluxStackedGemm),
+                                platform="cpu")
+    return lib
+
+
+def blas_available() -> tuple[bool, str]:
+    """(whether ``stacked_matmul`` can run here, why not)."""
+    try:
+        load_library()
+    except RuntimeError as e:
+        return False, str(e)
+    return True, ""
+
+
+def stacked_matmul(
+    x: jax.Array,  # f32[..., K]
+    w: jax.Array,  # f32[L, K, N], or f32[L, N, K] with transpose_w
+    layer: jax.Array | int,  # i32[] which of the L matrices
+    transpose_w: bool = False,
+) -> jax.Array:  # f32[..., N]
+    """``x @ w[layer]`` (``x @ w[layer].T`` with ``transpose_w``) by OpenBLAS, reading the
+    layer in place; fp32 on the CPU only (``load_library`` must have succeeded)."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"stacked_matmul is fp32 only, got {x.dtype} @ {w.dtype}")
+    if w.ndim != 3:
+        raise ValueError(f"w must be f32[L, K, N], got shape {w.shape}")
+    k, n = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last axis is {x.shape[-1]}, w contracts {k}")
+    load_library()
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    out = call(x.reshape(rows, k), w, jnp.asarray(layer, jnp.int32), transpose_w=transpose_w)
+    return out.reshape(*lead, n)
+
+
+def stacked_matmul_xla(x: jax.Array, w: jax.Array, layer: jax.Array | int,
+                       transpose_w: bool = False) -> jax.Array:
+    """The same product in plain ``jnp``, fp32 sums (the oracle)."""
+    w_l = jax.lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32), keepdims=False)
+    if transpose_w:
+        w_l = w_l.T
+    return jnp.matmul(x, w_l, preferred_element_type=jnp.float32)
