@@ -24,12 +24,12 @@ import dataclasses
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
+
+from conflux_jax.bench.server_process import ServerProcess
 
 MALFORMED = [  # (body bytes, what it exercises); each must be answered with a 4xx
     (b'{"model": "MODEL", "prompt": ', "truncated JSON"),
@@ -257,30 +257,6 @@ def leaked_pages(url: str, idle_timeout_s: float = 60.0) -> float:
         time.sleep(0.2)
 
 
-def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "serving", "--model", args.model, "--port", str(port),
-           "--served-model-name", args.served_model_name or args.model, *args.server_args]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("server did not become ready")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -303,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("server_args", nargs="*", help="extra `python -m serving` arguments "
                    "(after --), when this script starts the server")
     args = p.parse_args(argv)
-    proc = None
+    server = None
     url = args.url
     if url is None:
-        proc, url = _start_server(args)
+        server = ServerProcess(["--model", args.model, "--served-model-name",
+                                args.served_model_name or args.model, *args.server_args],
+                               ready_timeout_s=args.ready_timeout)
+        url = server.url
     name = args.served_model_name or args.model
     try:
         report = asyncio.run(run_load(
@@ -322,9 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         report.leaked_pages = leaked_pages(url)
         alive = httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        if server is not None:
+            server.stop()
     print(report.summary())
     print(f"server alive   {alive}")
     ok = report.failed == 0 and report.server_errors == 0 and report.leaked_pages == 0 \

@@ -5,7 +5,9 @@ The same random token-id prompts go to (a) our in-process engine (or a server wi
 (left-padded, greedy, ``min_new_tokens`` = ``max_new_tokens`` so both emit the same
 count), and (c) llama.cpp through ``llama-cpp-python`` when it is installed (all
 requests batched as ``llama-server``'s parallel slots would be, on the GGUF's own Q4_1
-weights); each peer runs in its own process. For each concurrency ``c``:
+weights), and (d) with ``--peers server``, our own server (``python -m serving``, the
+same checkpoint) through the ``--url`` client, beside the in-process engine; each peer
+runs in its own process. For each concurrency ``c``:
 output tokens/s, mean TTFT and mean TBT (gap between a request's tokens), and our
 ratio to each peer (tokens/s: ours/peer, higher is better; TTFT/TBT: peer/ours, higher
 is better). Every number is measured in this run on this machine; nothing is quoted.
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import random
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -221,6 +224,31 @@ class IsolatedPeer:
         self._pool.shutdown()
 
 
+class ServerPeer:
+    """Our own server (``python -m serving``, same model and context, its own process)
+    driven by the same client as ``--url``: beside the in-process engine in one run it
+    shows what HTTP, streaming and detokenization cost (issue 19: within 5%)."""
+
+    name = "server"
+
+    def __init__(self, model: str, max_model_len: int, mesh: str | None = None,
+                 extra_args: list[str] | None = None) -> None:
+        from conflux_jax.bench.serve import server_model
+        from conflux_jax.bench.server_process import ServerProcess
+
+        args = ["--model", model, "--max-model-len", str(max_model_len), "--log-level",
+                "warning", *(["--mesh", mesh] if mesh else []), *(extra_args or [])]
+        self._server = ServerProcess(args)
+        self._model = server_model(self._server.url)
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[RequestResult], float]:
+        reqs = [ServeRequest(0.0, p, max_tokens) for p in prompts]
+        return run_server(self._server.url, self._model, reqs)
+
+    def close(self) -> None:
+        self._server.stop()
+
+
 _PEER: Any = None
 
 
@@ -252,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
-                    choices=["hf", "llama.cpp"])
+                    choices=["hf", "llama.cpp", "server"],
+                    help="server: our own server beside the in-process engine")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="more `python -m serving` arguments for --peers server, one string")
     ap.add_argument("--repeats", type=int, default=2, help="runs per system; the fastest counts")
     ap.add_argument("--threads", type=int, help="torch / llama.cpp threads (default: theirs)")
     ap.add_argument("--max-model-len", type=int, default=512)
@@ -265,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-copy-mb", type=int, default=512,
                     help="buffer size of the host floor's copy-bandwidth measurement")
     args = ap.parse_args(argv)
+    if args.url and "server" in args.peers:
+        ap.error("--peers server compares our server with the in-process engine; "
+                 "drop --url")
 
     if args.url:
         from conflux_jax.bench.serve import server_model
@@ -287,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     peers: list[Any] = []
     skipped: dict[str, str] = {}
     for name in args.peers:
+        if name == "server":  # no skipping: failing to start our own server is an error
+            peers.append(ServerPeer(args.model, args.max_model_len, args.mesh,
+                                    shlex.split(args.server_args)))
+            continue
         try:
             peers.append(IsolatedPeer(name, args.model, args.threads))
         except (ImportError, ValueError) as e:

@@ -1,4 +1,5 @@
-"""bench compare on a tiny HF checkpoint: ours (in-process engine) vs HF generate."""
+"""bench compare on a tiny HF checkpoint: ours (in-process engine) vs HF generate and vs our
+own server."""
 
 import json
 
@@ -20,13 +21,19 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
     out = tmp_path / "c.json"
     assert main(["compare", "--model", str(folder), "--concurrency", "1", "3",
                  "--prompt-len", "6", "--max-tokens", "3", "--max-model-len", "64",
-                 "--host-copy-mb", "8", "--json", str(out)]) == 0
+                 "--peers", "hf", "llama.cpp", "server", "--host-copy-mb", "8",
+                 # our server, started by compare, warms up every bucket: few of them
+                 "--server-args", "--token-buckets 8 --decode-buckets 4 --decode-page-buckets 16"
+                 " --page-size 8 --num-pages 32", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [r["concurrency"] for r in d["rows"]] == [1, 3]
-    assert d["peers"] == ["hf"] and "llama.cpp" in d["skipped_peers"]  # GGUF only
+    assert d["peers"] == ["hf", "server"] and "llama.cpp" in d["skipped_peers"]  # GGUF only
     for row in d["rows"]:
-        assert row["ours"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0
+        for system in ("ours", "hf", "server"):  # each emitted every token (ignore_eos)
+            m = row[system]
+            assert m["tokens_per_s"] * m["wall_s"] == pytest.approx(row["concurrency"] * 3)
         assert row["ratio_vs_hf"]["tokens_per_s"] > 0
+        assert row["ratio_vs_server"]["tokens_per_s"] > 0
         b = row["dense_bound"]  # the dense layers alone bound every engine, ours included
         assert b["decode_s"] == pytest.approx(2 * b["decode_step_s"])
         assert b["tokens_per_s"] == pytest.approx(
@@ -36,6 +43,8 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "ratio tok/s" in text and "hf" in text and "bound" in text
     assert "decode-step floor" in text and "x floor" in text
+    with pytest.raises(SystemExit):  # our server beside a server is not a comparison
+        main(["compare", "--url", "http://127.0.0.1:9", "--peers", "server"])
 
 
 def test_llama_cpp_peer_batches_like_solo_runs() -> None:
@@ -54,3 +63,4 @@ def test_llama_cpp_peer_batches_like_solo_runs() -> None:
     for prompt, together in zip(prompts, batched, strict=True):
         peer.run([prompt], 6)
         assert peer.outputs[0] == together
+

@@ -1,0 +1,63 @@
+"""Our server as a subprocess for the benchmarks: ``python -m serving ARGS`` on a free
+local port, handed back once ``/health`` answers 200 (warm-up done)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``python -m serving`` process; ``stop()`` (or leaving the ``with``) ends it."""
+
+    def __init__(self, args: list[str], ready_timeout_s: float = 900.0,
+                 log: IO[str] | None = None, env: dict[str, str] | None = None) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serving", "--port", str(self.port), *args],
+            cwd=Path(__file__).resolve().parents[2], stdout=log,
+            stderr=subprocess.STDOUT if log is not None else None,
+            env=env if env is not None else dict(os.environ))
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready after {ready_timeout_s:.0f} s")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
