@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 import conflux_jax
 from conflux_jax import reference
+from conflux_jax.bench.server_process import free_port
 from conflux_jax.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
@@ -30,12 +30,6 @@ START_S = 120  # start-up and the first compiles on a loaded 2-core machine
 # A dead follower must fail the leader this fast: gloo notices the closed connection at
 # once (JAX's coordination service would, after its 10 s heartbeat timeout).
 FAIL_S = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_pair(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, subprocess.Popen]:

@@ -30,6 +30,10 @@ from conflux_jax.bench.metrics import RequestResult
 from conflux_jax.bench.serve import engine_from_model, run_engine, run_server
 from conflux_jax.bench.serve_workload import ServeRequest
 
+# Our engine's settings here: all requests arrive at once, so the SLOs only need to be
+# loose enough never to refuse or reorder them (the same for the engine and the server).
+POLICY, TTFT_SLO_S, TBT_SLO_S = "conflux", 60.0, 10.0
+
 
 @dataclasses.dataclass
 class Measure:
@@ -236,8 +240,10 @@ class ServerPeer:
         from conflux_jax.bench.serve import server_model
         from conflux_jax.bench.server_process import ServerProcess
 
+        # The in-process engine's settings, so that only the serving path differs.
         args = ["--model", model, "--max-model-len", str(max_model_len), "--log-level",
-                "warning", *(["--mesh", mesh] if mesh else []), *(extra_args or [])]
+                "warning", "--policy", POLICY, "--ttft-slo", str(TTFT_SLO_S), "--tbt-slo",
+                str(TBT_SLO_S), *(["--mesh", mesh] if mesh else []), *(extra_args or [])]
         self._server = ServerProcess(args)
         self._model = server_model(self._server.url)
 
@@ -312,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
 
             simulate_cpu_devices(devices_named_by(args.mesh, 1))
-        engine = engine_from_model(args.model, args.max_model_len, "conflux", 60.0, 10.0,
-                                   mesh=args.mesh)
+        engine = engine_from_model(args.model, args.max_model_len, POLICY, TTFT_SLO_S,
+                                   TBT_SLO_S, mesh=args.mesh)
         vocab = engine.model_config.vocab_size
         run_ours = lambda reqs: run_engine(engine, reqs)  # noqa: E731
         mesh = engine.executor.mesh_spec

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from conflux_jax.bench.server_process import free_port
 
 TINY_BUCKETS = dict(tokens=(16, 64), decode=(8,), decode_pages=(32,), max_prefill_seqs=4)
 MAX_MODEL_LEN = 256
@@ -34,12 +34,6 @@ def build_tiny_engine(checkpoint: Path, **engine_kwargs: Any) -> Any:
                         buckets=BucketConfig(**TINY_BUCKETS), num_top_logprobs=MAX_LOGPROBS)
     return Engine(ckpt.config, ckpt.params, ckpt.tokenizer,
                   EngineConfig(executor=ec, **engine_kwargs))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
@@ -110,49 +104,28 @@ TINY_CLI_ARGS = ["--token-buckets", "16,64", "--decode-buckets", "8",
 
 
 class CliServer:
-    """``python -m serving ...`` as a subprocess (what ``make serve`` runs)."""
+    """``python -m serving ...`` as a subprocess (what ``make serve`` runs), its output in
+    ``log_path``."""
 
     def __init__(self, args: list[str], log_path: Path, ready_timeout: float) -> None:
-        import subprocess
+        from conflux_jax.bench.server_process import ServerProcess
 
-        import httpx
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         # As from a user's shell: without the test session's simulated-device flag.
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(self.port),
-                                      *args], cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready after {ready_timeout}s:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        try:
+            self._server = ServerProcess(args, ready_timeout, log=self._log, env=env)
+        except RuntimeError as e:
+            self._log.close()
+            raise RuntimeError(f"{e}:\n{self.log_path.read_text(errors='replace')}") from e
+        self.proc, self.port, self.url = self._server.proc, self._server.port, self._server.url
 
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 60) -> int:
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = self._server.stop(timeout)
         self._log.close()
-        return self.proc.returncode
+        return code

@@ -1,0 +1,45 @@
+"""The engine loop takes a burst of requests into one step: clients that send together
+reach the HTTP handlers one by one, a few milliseconds apart."""
+
+from __future__ import annotations
+
+import asyncio
+
+from conflux_jax.sampling import SamplingParams
+from serving.engine_loop import EngineLoop
+
+
+def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
+    executor = tiny_engine.executor
+    real_execute = executor.execute
+    steps: list[set[int]] = []
+
+    def spy(plan):
+        steps.append(set(plan.request_ids))
+        return real_execute(plan)
+
+    loop = EngineLoop(tiny_engine)  # idle: blocked on its intake
+    executor.execute = spy
+    try:
+        loop.start(warmup=False)
+
+        async def burst() -> list[list]:
+            streams = []
+            for i in range(4):  # as the HTTP handlers hand them over, ~1 ms apart
+                streams.append(loop.submit([5 + i, 6, 7], SamplingParams(max_tokens=2)))
+                await asyncio.sleep(0.001)
+            ids = [await s.accepted for s in streams]
+
+            async def drain(s) -> list:
+                return [out async for out in s]
+
+            outs = await asyncio.gather(*(drain(s) for s in streams))
+            return ids, outs
+
+        ids, outs = asyncio.run(asyncio.wait_for(burst(), 60))
+        loop.stop(timeout=10)
+    finally:
+        executor.execute = real_execute
+    assert steps[0] == set(ids)  # all four prefilled together, none waited out a step
+    for o in outs:  # and each got its two tokens
+        assert o[-1].finished and sum(len(x.new_token_ids) for x in o) == 2
