@@ -25,6 +25,7 @@ import dataclasses
 import inspect
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -90,6 +91,7 @@ class _Abort:
 
 
 _WAKE = object()
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineLoop:
@@ -117,6 +119,9 @@ class EngineLoop:
     def start(self, *, warmup: bool = False) -> None:
         """Start the thread; with ``warmup`` it compiles every bucket first (not ready
         until that is done), then forbids any later compilation."""
+        # The engine thread drops the GIL for every device call; getting it back from the
+        # HTTP thread takes up to the switch interval (5 ms by default), a few times a step.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, args=(warmup,),
                                         name="conflux-engine", daemon=True)
         self._thread.start()

@@ -66,3 +66,23 @@ def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler"):
         _build(_SOURCE, tmp_path / "out.so", [], str(tmp_path), "m")
     assert not (tmp_path / "out.so").exists()
+
+
+def test_openblas_workers_sleep_between_calls():
+    """Idle OpenBLAS workers would spin ~0.1 s after every call, taking the cores from
+    XLA's threads between the step's GEMMs; they are set to sleep at once."""
+    import os
+    import time
+
+    fn = jax.jit(stacked_matmul)
+    x, w = _rand(16, 256), _rand(1, 256, 512)
+    fn(x, w, jnp.int32(0)).block_until_ready()
+    burnt = []
+    for _ in range(3):
+        fn(x, w, jnp.int32(0)).block_until_ready()
+        before = os.times()
+        time.sleep(0.1)
+        after = os.times()
+        burnt.append(after.user + after.system - before.user - before.system)
+    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert min(burnt) < 0.03, burnt  # a spinning worker would burn ~0.1 s of CPU here

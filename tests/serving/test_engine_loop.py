@@ -1,12 +1,13 @@
-"""The engine loop takes a burst of requests into one step: clients that send together
-reach the HTTP handlers one by one, a few milliseconds apart."""
+"""The engine loop takes a burst of requests into one step (clients that send together reach
+the HTTP handlers one by one, a few milliseconds apart), and gets the GIL back promptly."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from conflux_jax.sampling import SamplingParams
-from serving.engine_loop import EngineLoop
+from serving.engine_loop import SWITCH_INTERVAL_S, EngineLoop
 
 
 def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
@@ -41,5 +42,7 @@ def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
     finally:
         executor.execute = real_execute
     assert steps[0] == set(ids)  # all four prefilled together, none waited out a step
+    # After each device call the engine thread waits at most this long for the GIL.
+    assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
     for o in outs:  # and each got its two tokens
         assert o[-1].finished and sum(len(x.new_token_ids) for x in o) == 2
