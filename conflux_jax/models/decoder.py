@@ -32,10 +32,11 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax
 
 LINEARS = ("xla", "blas")  # how the linears run: XLA's dot, or OpenBLAS in place (CPU)
 # Token rows for which "blas" calls OpenBLAS; XLA's dot takes the rest. SmolLM2's 30 dense
-# layers in a scan on a 2-core AVX2 host (bench/linears_rows.py): 1.6-1.8x faster through
-# OpenBLAS at 3-32 rows, 1.4x at 64, 1.1x at 128; slower at one row (XLA's matrix-vector
-# loop reads the stacked weights in place), even at 256 (a prefill chunk, where XLA's dot
-# amortizes its copy).
+# layers in a scan on a 2-core AVX2 host (bench/linears_rows.py): through OpenBLAS 1.3x
+# faster at 2 rows, 1.6-1.8x at 3-32, 1.4x at 64, 1.1x at 128; slower at one row (XLA's
+# matrix-vector loop reads the stacked weights in place), even at 256 (a prefill chunk,
+# where XLA's dot amortizes its copy). Measured before OpenBLAS's workers were set to sleep
+# at once (pallas_kernels.cpu_gemm); the range is due a re-measure.
 BLAS_MIN_ROWS, BLAS_MAX_ROWS = 2, 128
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
