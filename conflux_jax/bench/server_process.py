@@ -3,12 +3,10 @@ local port, handed back once ``/health`` answers 200 (warm-up done)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import IO, Any
 
 
@@ -27,11 +25,9 @@ class ServerProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving", "--port", str(self.port), *args],
-            cwd=Path(__file__).resolve().parents[2], stdout=log,
-            stderr=subprocess.STDOUT if log is not None else None,
-            env=env if env is not None else dict(os.environ))
+        self.proc = subprocess.Popen(  # env None: this process's environment
+            [sys.executable, "-m", "serving", "--port", str(self.port), *args], stdout=log,
+            stderr=subprocess.STDOUT if log is not None else None, env=env)
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -86,9 +86,9 @@ class ExecutorConfig:
     gpu_memory_utilization: float | None = None
     device_memory_bytes: int | None = None  # one device's memory; None = ask the device
     # How the linears run: "xla" (XLA's dot) or "blas" (OpenBLAS through an FFI call that
-    # reads each layer's weights in place, sparing XLA:CPU a copy of them per layer: 1.2-
-    # 1.4x faster 16-request decode steps; fp32 on the CPU). "auto" = blas where it can
-    # run (CPU, fp32, the handler builds), else xla. See ``Decoder.run_layers``.
+    # reads each layer's weights in place, sparing XLA:CPU a copy of them per layer: 1.35-
+    # 1.49x faster 16-request decode steps, bench/RESULTS.md; fp32 on the CPU). "auto" =
+    # blas where it can run (CPU, fp32, the handler builds), else xla.
     linears: str = "auto"
 
 

@@ -127,20 +127,20 @@ class Decoder(nnx.Module):
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
 
-        def block(carry, layer_in):
-            h, kv = carry
-            w, layer = layer_in  # w: this layer's weights, or all of them stacked (blas)
+        blas = linears == "blas"
+        stacked = self.layers.stacked()
 
+        def block(carry, layer):
+            h, kv = carry
+            # Every weight stays stacked, a loop constant: OpenBLAS reads its layer in place;
+            # the rest take theirs by ``[layer]`` (what scanning the weights would slice).
             def lin(a: jax.Array, name: str) -> jax.Array:
-                if linears != "blas":
-                    return linear(a, w[name])
-                if BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
-                    return stacked_matmul(a, w[name], layer).astype(a.dtype)
-                return linear(a, w[name][layer])  # XLA's dot is as fast here, copy and all
+                if blas and BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
+                    return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
+                return linear(a, stacked[name][layer])
 
             def norm(a: jax.Array, name: str) -> jax.Array:
-                weight = w[name][layer] if linears == "blas" else w[name]
-                return rms_norm(a, weight, cfg.rms_norm_eps)
+                return rms_norm(a, stacked[name][layer], cfg.rms_norm_eps)
 
             a = norm(h, "attn_norm")
             q = lin(a, "wq").reshape(*a.shape[:-1], -1, head_dim)
@@ -159,12 +159,8 @@ class Decoder(nnx.Module):
             h = h + _all_reduce(ffn, tp_axis)
             return (h, kv), None
 
-        stacked = self.layers.stacked()
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        if linears == "blas":  # the weights stay a loop constant: scanned, they are sliced
-            (x, kv), _ = jax.lax.scan(lambda c, i: block(c, (stacked, i)), (x, kv), layer_ids)
-        else:
-            (x, kv), _ = jax.lax.scan(block, (x, kv), (stacked, layer_ids))
+        (x, kv), _ = jax.lax.scan(block, (x, kv), layer_ids)
         return x, kv
 
     def logits(self, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
