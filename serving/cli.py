@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a GPU/TPU; 256 on CPU)")
     p.add_argument("--linears", choices=("auto", "xla", "blas"), default="auto",
                    help="how the dense layers multiply: xla (XLA's dot) or blas (OpenBLAS "
-                        "reading each layer's weights in place: 1.2-1.4x faster 16-request "
-                        "decode steps on CPU; fp32 on CPU only); auto = blas where it can "
-                        "run, else xla")
+                        "reading each layer's weights in place; fp32 on CPU only); auto = "
+                        "where blas can run, whichever is faster on this host's steps "
+                        "(timed once per host and model, then remembered), else xla")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="share of each device's memory for weights, the largest step's "
                         "temporaries and the KV cache, as in vLLM (default 0.9 on a "

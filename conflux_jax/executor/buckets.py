@@ -34,7 +34,8 @@ class BucketConfig:
     # Small first buckets matter on CPU, where padded rows cost real FLOPs. A bucket of 1
     # serves decode-only steps of one sequence per rank: one row runs XLA's matrix-vector
     # path, ~1.4x faster than four rows on CPU. Prefill steps skip it (see shape_for).
-    tokens: tuple[int, ...] = (1, 4, 16, 64, 256)
+    # 128 between 64 and 256: without it a lone 128-token prompt ran a 256-row step.
+    tokens: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
     decode: tuple[int, ...] = (1, 4, 16, 64)
     # The attention ops' cost follows live KV lengths, not the table width, so one
     # width (the max context) is the default; more widths trade compiles for gathers.

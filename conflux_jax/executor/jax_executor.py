@@ -15,6 +15,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from conflux_jax.config import ModelConfig
+from conflux_jax.executor import linears_choice
 from conflux_jax.executor.batch import BatchLayout, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
@@ -48,7 +50,7 @@ from conflux_jax.executor.step import (
     transfer_link_bytes,
 )
 from conflux_jax.latency.roofline import hardware_for_device_kind
-from conflux_jax.models.decoder import LINEARS
+from conflux_jax.models.decoder import BLAS_MAX_ROWS, LINEARS
 from conflux_jax.models.params import Params
 from conflux_jax.plan import (
     ExecutorLost,
@@ -86,9 +88,10 @@ class ExecutorConfig:
     gpu_memory_utilization: float | None = None
     device_memory_bytes: int | None = None  # one device's memory; None = ask the device
     # How the linears run: "xla" (XLA's dot) or "blas" (OpenBLAS through an FFI call that
-    # reads each layer's weights in place, sparing XLA:CPU a copy of them per layer: 1.35-
-    # 1.49x faster 16-request decode steps, bench/RESULTS.md; fp32 on the CPU). "auto" =
-    # blas where it can run (CPU, fp32, the handler builds), else xla.
+    # reads each layer's weights in place, sparing XLA:CPU a copy of them per layer; fp32
+    # on the CPU). "auto" = where blas can run (CPU, fp32, the handler builds), whichever
+    # of the two runs this host's steps faster, measured once and remembered
+    # (executor/linears_choice.py: hosts of one kind disagree 2x either way); else xla.
     linears: str = "auto"
 
 
@@ -164,6 +167,13 @@ class JaxExecutor:
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
         self.linears = resolve_linears(ec.linears, self.platform, self.dtype)
+        measure_linears = ec.linears == "auto" and self.linears == "blas"
+        if measure_linears and (self.process_count > 1 or sum(
+                np.size(a) for a in jax.tree.leaves(padded_params)) * self.dtype.itemsize
+                < linears_choice.MIN_MEASURED_WEIGHT_BYTES):
+            # Tiny models: neither route matters. Several processes: one cannot time the
+            # step for all of them, and each must compile the same program.
+            self.linears, measure_linears = "xla", False
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
 
@@ -195,7 +205,11 @@ class JaxExecutor:
                                mask_words=mask_words(config.vocab_size),
                                history_len=ec.max_model_len)
 
-        self.memory = self._plan_memory(step_config, layout)
+        # A route still to be measured is planned as XLA's dot, whose temporaries (a
+        # layer's weights per layer) are the larger: the pool fits either way.
+        self.memory = self._plan_memory(
+            (lambda n: dataclasses.replace(step_config(n), linears="xla"))
+            if measure_linears else step_config, layout)
         num_pages = self._agree(self.memory.num_pages)
         if num_pages != self.memory.num_pages:
             self.memory = dataclasses.replace(self.memory, num_pages=num_pages)
@@ -211,6 +225,8 @@ class JaxExecutor:
         # constrained or penalized row sends these instead of fresh host buffers.
         self._idle_rows: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._compiled: dict[StepShape, Any] = {}
+        if measure_linears:
+            self._choose_linears()
         self.guard = CompileGuard()
         self.last_transfer_bytes = 0  # link bytes of the last step's KV transfer
         self.clock_start = time.perf_counter()
@@ -322,6 +338,65 @@ class JaxExecutor:
 
     def now(self) -> float:
         return time.perf_counter()
+
+    # ------------------------------------------------------------------ linears route
+    def _choose_linears(self) -> None:
+        """``linears="auto"`` where OpenBLAS can run: the faster route on this host's real
+        steps (a decode step and a prefill chunk of the sizes OpenBLAS would take), timed
+        once per host and model and remembered (``linears_choice``)."""
+        shapes = []
+        decode = [d for d in self.buckets.decode if 2 <= d <= 16]
+        if decode:
+            shapes.append(self.planner.shape_for(0, decode[-1], decode[-1], 1))
+        tokens = [t for t in self.buckets.tokens if 2 <= t <= BLAS_MAX_ROWS]
+        if tokens:
+            shapes.append(self.planner.shape_for(tokens[-1], 0, tokens[-1], 1))
+        key = linears_choice.choice_key(
+            f"{self.step_config.model}|{self.dtype}|{self.mesh_spec}|{self.exec_config.page_size}",
+            [str(s) for s in shapes])
+        choice = linears_choice.recall(key)
+        if choice is None:
+            seconds, compiled = self._time_linears(shapes)
+            choice = linears_choice.LinearsChoice(linears_choice.pick(seconds), seconds,
+                                                  cached=False)
+            linears_choice.remember(key, choice, linears_choice.host_fingerprint())
+            self._compiled.update(compiled[choice.linears])
+        log.info("linears: %s (XLA's dot %.0f ms, OpenBLAS %.0f ms on this host's decode "
+                 "and prefill steps%s)", choice.linears, 1e3 * choice.seconds["xla"],
+                 1e3 * choice.seconds["blas"], ", measured earlier" if choice.cached else "")
+        self._set_linears(choice.linears)
+
+    def _set_linears(self, linears: str) -> None:
+        if linears != self.linears:
+            self.linears = linears
+            self.step_config = dataclasses.replace(self.step_config, linears=linears)
+            self._step = build_step(self.step_config, self.mesh, self._param_specs)
+
+    def _time_linears(self, shapes: list[StepShape], rounds: int = 4
+                      ) -> tuple[dict[str, float], dict[str, dict[StepShape, Any]]]:
+        """Each route's summed median time over ``shapes`` (padding batches: the same
+        GEMMs and attention shapes as real ones), interleaved so that a slow phase of a
+        shared host hits both; and each route's compiled steps."""
+        compiled = {lin: {s: build_step(dataclasses.replace(self.step_config, linears=lin),
+                                        self.mesh, self._param_specs)
+                          .lower(*self._abstract_args(s)).compile() for s in shapes}
+                    for lin in LINEARS}
+        batches = {s: self._put(StepBatch.padding(s, self.layout), self._shardings)
+                   for s in shapes}
+        runs: dict[str, dict[StepShape, list[float]]] = {
+            lin: {s: [] for s in shapes} for lin in LINEARS}
+        for _ in range(rounds + 1):  # the first round warms up, unrecorded below
+            for lin in LINEARS:
+                for s in shapes:
+                    t = time.perf_counter()
+                    out = compiled[lin][s](self.params, self.k_pool, self.v_pool, batches[s])
+                    jax.block_until_ready(out.sampled)
+                    runs[lin][s].append(time.perf_counter() - t)
+                    self.k_pool, self.v_pool = out.k_pool, out.v_pool
+        self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()  # as before
+        seconds = {lin: sum(statistics.median(r[1:]) for r in runs[lin].values())
+                   for lin in LINEARS}
+        return seconds, compiled
 
     # ------------------------------------------------------------------ compilation
     def _abstract_args(self, shape: StepShape, layout: BatchLayout | None = None,

@@ -3,10 +3,12 @@
 from pallas_kernels.cpu_gemm.stacked_gemm import (
     CACHE_ENV_VAR,
     blas_available,
+    kernel_cache_dir,
+    library_key,
     load_library,
     stacked_matmul,
     stacked_matmul_xla,
 )
 
-__all__ = ["CACHE_ENV_VAR", "blas_available", "load_library", "stacked_matmul",
-           "stacked_matmul_xla"]
+__all__ = ["CACHE_ENV_VAR", "blas_available", "kernel_cache_dir", "library_key",
+           "load_library", "stacked_matmul", "stacked_matmul_xla"]

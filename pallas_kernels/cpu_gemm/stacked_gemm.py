@@ -39,7 +39,8 @@ TARGET = "conflux_stacked_gemm"
 _SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 
 
-def _cache_dir() -> Path:
+def kernel_cache_dir() -> Path:
+    """Where built handlers (and what is measured with them) are kept."""
     if os.environ.get(CACHE_ENV_VAR):
         return Path(os.environ[CACHE_ENV_VAR])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -63,6 +64,15 @@ def _build(source: Path, out: Path, include: list[str], lib_dir: str, lib: str) 
         os.replace(partial, out)
 
 
+def library_key() -> str:
+    """The handler's identity: its source and the jax, jaxlib and OpenBLAS versions."""
+    import scipy_openblas32 as blas
+
+    return hashlib.sha256(b"\0".join([
+        _SOURCE.read_bytes(), jax.__version__.encode(), jax.lib.__version__.encode(),
+        blas.__version__.encode()])).hexdigest()[:16]
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (once per source/version) and load the handler; register it with XLA.
@@ -73,10 +83,7 @@ def load_library() -> ctypes.CDLL:
         raise RuntimeError("the CPU GEMM needs the scipy-openblas32 wheel "
                            "(pip install scipy-openblas32)") from e
     include = [jax.ffi.include_dir(), blas.get_include_dir()]
-    key = hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), jax.__version__.encode(), jax.lib.__version__.encode(),
-        blas.__version__.encode()])).hexdigest()[:16]
-    path = _cache_dir() / f"stacked_gemm-{key}.so"
+    path = kernel_cache_dir() / f"stacked_gemm-{library_key()}.so"
     if not path.exists():
         _build(_SOURCE, path, include, blas.get_lib_dir(), blas.get_library())
     lib = ctypes.cdll.LoadLibrary(str(path))

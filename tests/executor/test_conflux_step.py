@@ -20,13 +20,17 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulat
 BUCKETS = BucketConfig(tokens=(8, 32), decode=(8,), decode_pages=(32,), max_prefill_seqs=4)
 
 
-def make_executor(config, mesh, params, linears="auto"):
+# OpenBLAS where it runs: "auto" would pick XLA's dot for these tiny models.
+CPU_LINEARS = "blas" if jax.default_backend() == "cpu" else "auto"
+
+
+def make_executor(config, mesh, params, linears=CPU_LINEARS):
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
                         buckets=BUCKETS, return_logits=True, linears=linears)
     return JaxExecutor(config, params, ec)
 
 
-CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU "auto" is OpenBLAS
+CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU default OpenBLAS
     "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),
     "llama-sp2-tp2-xla-linears": (TINY_LLAMA, "sp=2,tp=2", "conflux", "xla"),
     "qwen3-sp4": (TINY_QWEN3, "sp=4,tp=1", "conflux"),
@@ -38,7 +42,7 @@ CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU "auto" is O
 _executors: dict[tuple, tuple] = {}
 
 
-def _executor(config, mesh, linears="auto"):
+def _executor(config, mesh, linears=CPU_LINEARS):
     key = (config, mesh, linears)
     if key not in _executors:
         params = random_params(config, seed=1, scale=0.2)
