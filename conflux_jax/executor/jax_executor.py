@@ -168,11 +168,12 @@ class JaxExecutor:
         padded_config, padded_params = pad_heads(config, params, n * tp)
         self.linears = resolve_linears(ec.linears, self.platform, self.dtype)
         measure_linears = ec.linears == "auto" and self.linears == "blas"
-        if measure_linears and (self.process_count > 1 or sum(
+        if measure_linears and (self.mesh_spec.size > 1 or sum(
                 np.size(a) for a in jax.tree.leaves(padded_params)) * self.dtype.itemsize
                 < linears_choice.MIN_MEASURED_WEIGHT_BYTES):
-            # Tiny models: neither route matters. Several processes: one cannot time the
-            # step for all of them, and each must compile the same program.
+            # Tiny models: neither route matters. Several CPU devices (simulated on one
+            # host's cores, or one per process): their timings share the cores, and every
+            # process must compile the same program.
             self.linears, measure_linears = "xla", False
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
@@ -372,7 +373,7 @@ class JaxExecutor:
             self.step_config = dataclasses.replace(self.step_config, linears=linears)
             self._step = build_step(self.step_config, self.mesh, self._param_specs)
 
-    def _time_linears(self, shapes: list[StepShape], rounds: int = 4
+    def _time_linears(self, shapes: list[StepShape], rounds: int = 3
                       ) -> tuple[dict[str, float], dict[str, dict[StepShape, Any]]]:
         """Each route's summed median time over ``shapes`` (padding batches: the same
         GEMMs and attention shapes as real ones), interleaved so that a slow phase of a

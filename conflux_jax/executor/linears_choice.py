@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 CHOICE_FILE = "linears-choice.json"
 # Below this many weight bytes neither route matters next to a step's fixed costs: XLA's
-# dot, unmeasured (tiny test models stay deterministic and start at once).
+# dot, unmeasured (tiny test models stay deterministic and start at once). Meshes of
+# several CPU devices take it unmeasured too (JaxExecutor._choose_linears).
 MIN_MEASURED_WEIGHT_BYTES = 32 << 20
 # OpenBLAS must beat XLA's dot by this much: within noise, the route without an FFI call.
 BLAS_MARGIN = 0.95

@@ -18,6 +18,7 @@ from conflux_jax.models.decoder import random_params
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="OpenBLAS is CPU-only")
 
 PARAMS = random_params(TINY_LLAMA, seed=1, scale=0.2)
+ONE_DEVICE = {**SMALL_STEP, "mesh": "sp=1,tp=1"}  # several CPU devices are not measured
 
 
 def test_pick_keeps_xla_unless_openblas_is_clearly_faster() -> None:
@@ -26,10 +27,13 @@ def test_pick_keeps_xla_unless_openblas_is_clearly_faster() -> None:
     assert linears_choice.pick({"xla": 0.4, "blas": 1.0}) == "xla"
 
 
-def test_tiny_models_take_xla_unmeasured(tmp_path, monkeypatch) -> None:
+def test_tiny_models_and_device_meshes_take_xla_unmeasured(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(linears_choice, "kernel_cache_dir", lambda: tmp_path)
-    ex = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**SMALL_STEP))
+    ex = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**ONE_DEVICE))
     assert ex.linears == ex.step_config.linears == "xla"
+    monkeypatch.setattr(linears_choice, "MIN_MEASURED_WEIGHT_BYTES", 0)  # big enough now
+    ex = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**SMALL_STEP))  # sp=2: 2 devices
+    assert ex.linears == "xla"
     assert not (tmp_path / linears_choice.CHOICE_FILE).exists()
 
 
@@ -37,7 +41,7 @@ def test_auto_measures_once_then_remembers(tmp_path, monkeypatch, caplog) -> Non
     monkeypatch.setattr(linears_choice, "kernel_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(linears_choice, "MIN_MEASURED_WEIGHT_BYTES", 0)  # measure tiny too
     with caplog.at_level(logging.INFO, logger="conflux_jax.executor.jax_executor"):
-        ex = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**SMALL_STEP))
+        ex = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**ONE_DEVICE))
     (record,) = json.loads((tmp_path / linears_choice.CHOICE_FILE).read_text()).values()
     assert set(record["seconds"]) == {"xla", "blas"} and min(record["seconds"].values()) > 0
     assert ex.linears == ex.step_config.linears == record["linears"] \
@@ -53,7 +57,7 @@ def test_auto_measures_once_then_remembers(tmp_path, monkeypatch, caplog) -> Non
     monkeypatch.setattr(JaxExecutor, "_time_linears", no_timing)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="conflux_jax.executor.jax_executor"):
-        again = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**SMALL_STEP))
+        again = JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**ONE_DEVICE))
     assert again.linears == ex.linears and "measured earlier" in caplog.text
 
 
