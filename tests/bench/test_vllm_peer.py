@@ -9,6 +9,7 @@ from ckpt_helpers import random_hf_weights, tiny_llama, train_tiny_tokenizer, wr
 
 from conflux_jax.bench import vllm_peer
 from conflux_jax.checkpoints import load_checkpoint
+from conflux_jax.checkpoints.layout import iter_leaves
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -26,20 +27,12 @@ def test_gguf_export_holds_the_weights_our_loader_reads(tmp_path, monkeypatch, t
     # transformers' dequantize + un-permute + our HF loader == our GGUF loader
     ours, exported = load_checkpoint(path), load_checkpoint(folder)
     assert exported.config.tie_word_embeddings == tied
-    want, got = dict(_leaves(ours.params)), dict(_leaves(exported.params))
+    want, got = dict(iter_leaves(ours.params)), dict(iter_leaves(exported.params))
     assert want.keys() == got.keys()
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=0, atol=1e-6, err_msg=name)
     text = "hello world"
     assert exported.tokenizer.encode(text) == ours.tokenizer.encode(text)
-
-
-def _leaves(tree, prefix: str = ""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}/{k}")
-    else:
-        yield prefix, np.asarray(tree)
 
 
 def test_missing_vllm_interpreter_is_refused_with_the_setup_command(tmp_path) -> None:
