@@ -17,8 +17,10 @@ generate: setup
 serve: setup
 	$(PY) -m serving --model default
 
+# Two workers: the suite is mostly cold XLA compiles, each on one core; loadfile keeps a
+# module's fixtures (servers, engines) on one worker. 26 -> 18 min on a cold 2-core host.
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: setup-test
 	.venv/bin/ruff check .

@@ -94,6 +94,11 @@ _WAKE = object()
 SWITCH_INTERVAL_S = 0.0005
 
 
+# The running loop of each engine (by id): one thread steps an engine, never two.
+_OWNERS: dict[int, EngineLoop] = {}
+_OWNERS_LOCK = threading.Lock()
+
+
 class EngineLoop:
     """Runs ``engine.step()`` on a background thread; see the module docstring."""
 
@@ -118,7 +123,18 @@ class EngineLoop:
     # ------------------------------------------------------------------ lifecycle
     def start(self, *, warmup: bool = False) -> None:
         """Start the thread; with ``warmup`` it compiles every bucket first (not ready
-        until that is done), then forbids any later compilation."""
+        until that is done), then forbids any later compilation.
+
+        Raises:
+          RuntimeError: another running loop already drives this engine (two threads
+            stepping one engine would interleave its plans).
+        """
+        with _OWNERS_LOCK:
+            owner = _OWNERS.get(id(self.engine))
+            if owner is not None and owner is not self and owner.alive:
+                raise RuntimeError("this engine is already driven by a running EngineLoop; "
+                                   "share that loop or stop it first")
+            _OWNERS[id(self.engine)] = self
         # The engine thread drops the GIL for every device call; getting it back from the
         # HTTP thread takes up to the switch interval (5 ms by default), a few times a step.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
@@ -134,6 +150,9 @@ class EngineLoop:
         self._intake.put(_WAKE)
         if self._thread is not None:
             self._thread.join(timeout)
+        with _OWNERS_LOCK:
+            if _OWNERS.get(id(self.engine)) is self and not self.alive:
+                del _OWNERS[id(self.engine)]
 
     @property
     def alive(self) -> bool:

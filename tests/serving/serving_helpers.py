@@ -36,6 +36,9 @@ def build_tiny_engine(checkpoint: Path, **engine_kwargs: Any) -> Any:
                   EngineConfig(executor=ec, **engine_kwargs))
 
 
+_SHARED_LOOPS: dict[int, list] = {}  # id(engine) -> [its EngineLoop, servers using it]
+
+
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a background thread, plus its engine loop."""
 
@@ -48,8 +51,13 @@ class LiveServer:
         from serving.settings import ServerSettings
 
         self.engine = engine
-        self.loop = EngineLoop(engine)
-        self.loop.start(warmup=False)
+        # Servers on one engine share its loop: one thread steps an engine.
+        shared = _SHARED_LOOPS.get(id(engine))
+        if shared is None:
+            shared = _SHARED_LOOPS[id(engine)] = [EngineLoop(engine), 0]
+            shared[0].start(warmup=False)
+        shared[1] += 1
+        self.loop = shared[0]
         self.settings = ServerSettings(**{"model_name": "tiny",
                                           "max_model_len": engine.max_model_len,
                                           "max_logprobs": MAX_LOGPROBS,
@@ -93,7 +101,11 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        self.loop.stop(drain=False, timeout=30)
+        shared = _SHARED_LOOPS[id(self.engine)]
+        shared[1] -= 1
+        if shared[1] == 0:
+            del _SHARED_LOOPS[id(self.engine)]
+            self.loop.stop(drain=False, timeout=30)
 
 
 # ------------------------------------------------------------------------------ the CLI

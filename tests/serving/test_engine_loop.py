@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import pytest
+
 from conflux_jax.sampling import SamplingParams
 from serving.engine_loop import SWITCH_INTERVAL_S, EngineLoop
 
@@ -46,3 +48,22 @@ def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
     assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
     for o in outs:  # and each got its two tokens
         assert o[-1].finished and sum(len(x.new_token_ids) for x in o) == 2
+
+
+def test_a_second_running_loop_on_one_engine_is_refused(tiny_engine):
+    """Two threads stepping one engine would interleave its plans (the scheduler then
+    refuses every step): the second loop's start says so instead; once the first stops,
+    a new one may take over."""
+    first, second = EngineLoop(tiny_engine), EngineLoop(tiny_engine)
+    first.start(warmup=False)
+    try:
+        with pytest.raises(RuntimeError, match="already driven by a running EngineLoop"):
+            second.start(warmup=False)
+        assert not second.alive
+    finally:
+        first.stop(timeout=10)
+    second.start(warmup=False)
+    try:
+        assert second.alive
+    finally:
+        second.stop(timeout=10)
