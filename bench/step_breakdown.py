@@ -10,7 +10,10 @@ step replaced, and timed on the same arrays (fastest of ``--repeats``):
 
 - ``no attention``: both attention calls return their queries (the linears still run);
 - ``no KV write``: the K/V scatters into the pool are skipped;
-- ``neither``: both.
+- ``neither``: both;
+- ``full, rpa decode attention``: where decode attention runs the CPU's FFI handler, the
+  full step with the ragged paged attention kernel's XLA form instead, timed in turn with
+  the full step once more (``full, A/B``).
 
 Beside them, the dense layers alone on as many rows, with the LM head when every row
 samples (``conflux_jax.bench.dense_bound``). The differences say what attention and the KV writes
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -68,31 +72,45 @@ def capture(engine: Any, prompt_len: int, max_tokens: int, concurrency: int,  # 
 def without(attention: bool, kv_write: bool) -> Iterator[None]:
     """Build steps with attention (returns q) and/or the KV scatters (pool unchanged)
     taken out."""
-    saved = step_module.ragged_paged_attention, step_module._write_stacked
+    saved = (step_module.ragged_paged_attention, step_module.paged_decode,
+             step_module._write_stacked)
     if attention:
         step_module.ragged_paged_attention = lambda q, *a, **k: q
+        step_module.paged_decode = lambda q, *a, **k: q
     if kv_write:
         step_module._write_stacked = lambda pool, *a: pool
     try:
         yield
     finally:
-        step_module.ragged_paged_attention, step_module._write_stacked = saved
+        (step_module.ragged_paged_attention, step_module.paged_decode,
+         step_module._write_stacked) = saved
+
+
+def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN401
+               configs: list[dict[str, Any]]) -> list[float]:
+    """Fastest of ``repeats`` runs of freshly built and compiled steps on ``host``, one per
+    ``configs`` entry (``StepConfig`` fields to change), run in turn so that a slow spell
+    of the machine falls on all of them."""
+    batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
+                                              StepBatch.specs()))
+    compiled = [step_module.build_step(dataclasses.replace(ex.step_config, **cfg), ex.mesh,
+                                       ex._param_specs).lower(*ex._abstract_args(shape))
+                .compile() for cfg in configs]
+    best = [float("inf")] * len(configs)
+    for i in range(repeats + 1):  # the first round is a warm-up
+        for j, fn in enumerate(compiled):
+            start = time.perf_counter()
+            out = fn(ex.params, ex.k_pool, ex.v_pool, batch)
+            ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
+            out.sampled.tokens.block_until_ready()
+            if i:
+                best[j] = min(best[j], time.perf_counter() - start)
+    return best
 
 
 def time_step(ex: Any, shape: Any, host: StepBatch, repeats: int) -> float:  # noqa: ANN401
     """Fastest of ``repeats`` runs of a freshly built and compiled step on ``host``."""
-    step = step_module.build_step(ex.step_config, ex.mesh, ex._param_specs)
-    compiled = step.lower(*ex._abstract_args(shape)).compile()
-    batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
-                                              StepBatch.specs()))
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run is a warm-up
-        start = time.perf_counter()
-        out = compiled(ex.params, ex.k_pool, ex.v_pool, batch)
-        ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
-        out.sampled.tokens.block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return time_steps(ex, shape, host, repeats, [{}])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "neither": (True, True)}.items():
             with without(attn, kv):
                 row[label] = time_step(ex, shape, host, args.repeats)
+        if ex.step_config.decode_attention != "rpa":  # what the CPU's decode handler spares
+            row["full, A/B"], row["full, rpa decode attention"] = time_steps(
+                ex, shape, host, args.repeats, [{}, {"decode_attention": "rpa"}])
         # A decode step samples every row; a prefill step only the rows that finish a
         # prompt and the decodes, so its LM head is left out of the comparison.
         row[dense] = dense_seconds(ckpt.config, params, live, not prefill, args.repeats)

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "reading each layer's weights in place; fp32 on CPU only); auto = "
                         "where blas can run, whichever is faster on this host's steps "
                         "(timed once per host and model, then remembered), else xla")
+    p.add_argument("--decode-attention", choices=("auto", "rpa", "cpu"), default="auto",
+                   help="decode attention: rpa (the ragged paged attention kernel) or cpu "
+                        "(a C++ handler reading each sequence's KV pages in place; fp32 on "
+                        "CPU only); auto = cpu where it runs, else rpa")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="share of each device's memory for weights, the largest step's "
                         "temporaries and the KV cache, as in vLLM (default 0.9 on a "
@@ -191,7 +195,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
                               num_top_logprobs=args.max_logprobs,
                               compile_cache=args.compile_cache,
                               gpu_memory_utilization=args.gpu_memory_utilization,
-                              linears=args.linears)
+                              linears=args.linears,
+                              decode_attention=args.decode_attention)
     return ckpt, executor
 
 

@@ -6,7 +6,8 @@ On GPU: ceilings measured in the same run (a large device-to-device copy, a larg
 then decode (64 sequences x 8K context, bf16) as achieved HBM GB/s against the copy bandwidth
 and prefill (an 8K-token chunk over 8K of history) as TFLOP/s against the matmul rate, for the
 default tiling and a small sweep of alternatives (targets: decode >= 70% of copy, prefill >=
-40% of matmul). On CPU: jnp XLA path vs Pallas interpret timings at small sizes.
+40% of matmul). On CPU: jnp XLA path vs Pallas interpret timings at small sizes, and on
+decode shapes the CPU's FFI handler (``pallas_kernels.cpu_attention``) beside them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import BlockSizes, default_block_sizes, ragged_paged_attention, write_kv
+from pallas_kernels.cpu_attention import paged_decode, paged_decode_available
 
 DECODE_TARGET = 0.70  # of measured copy bandwidth
 PREFILL_TARGET = 0.40  # of measured bf16 matmul rate
@@ -295,6 +297,8 @@ def bench_small(iters: int) -> dict[str, Any]:
     heads = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=jnp.float32)
     shapes = [
         Shape("decode", (1,) * 16, (1024,) * 16, **heads),
+        # 16 CPU serving streams mid-run: short, unequal contexts.
+        Shape("decode-150", (1,) * 16, tuple(110 + 5 * i for i in range(16)), **heads),
         Shape("prefill", (256,), (512,), **heads),
         Shape("mixed", (128,) + (1,) * 15, (384,) + (700,) * 15, **heads),
     ]
@@ -310,11 +314,21 @@ def bench_small(iters: int) -> dict[str, Any]:
             row[impl] = t
             outs[impl] = np.asarray(attention_fn(impl)(*args))
         row["max_abs_diff"] = float(np.abs(outs["xla"] - outs["interpret"]).max())
+        cpu = ""
+        if set(shape.q_lens) == {1} and paged_decode_available()[0]:  # the CPU's handler
+            scale = 1 / math.sqrt(shape.head_dim)
+            fn = jax.jit(lambda q, k, v, lens, pages, cu, n, scale=scale: paged_decode(
+                q, k, v, lens, pages, n, scale))
+            row["cpu_handler"] = time_call(fn, args, iters)
+            row["cpu_handler_max_abs_diff"] = float(np.abs(np.asarray(fn(*args))
+                                                           - outs["xla"]).max())
+            cpu = (f", CPU handler {row['cpu_handler']['min_ms']:6.2f} ms "
+                   f"(xla/handler {row['xla']['min_ms'] / row['cpu_handler']['min_ms']:.2f}x)")
         result[shape.name] = row
         print(
-            f"{shape.name:8s} T={shape.num_tokens:4d} S={len(shape.q_lens):2d}: xla "
+            f"{shape.name:10s} T={shape.num_tokens:4d} S={len(shape.q_lens):2d}: xla "
             f"{row['xla']['min_ms']:8.2f} ms, interpret {row['interpret']['min_ms']:8.2f} "
-            f"ms, max |diff| {row['max_abs_diff']:.2e}",
+            f"ms, max |diff| {row['max_abs_diff']:.2e}{cpu}",
             flush=True,
         )
     result["write_kv"] = bench_write_kv(["xla", "interpret"], num_tokens=64, iters=iters)

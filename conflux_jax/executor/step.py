@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params
 from conflux_jax.sampling import LogitAdjustments, sample
+from pallas_kernels.cpu_attention import paged_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -55,6 +57,9 @@ class StepConfig:
     attention_impl: str | None = None  # None = auto (see pallas_kernels)
     return_logits: bool = False  # tests: also return the sampled rows' logits f32[N, R, V]
     linears: str = "xla"  # "blas": OpenBLAS in place of XLA's dot (``Decoder.run_layers``)
+    # "cpu": decode attention by the CPU's FFI handler (``pallas_kernels.cpu_attention``)
+    # instead of ``ragged_paged_attention``; prefill attention is unchanged.
+    decode_attention: str = "rpa"
     # Multi-process: return the sampled rows replicated, so that process 0 (which only
     # holds its own ranks' shards) reads every rank's tokens; one small all-gather.
     replicate_samples: bool = False
@@ -68,6 +73,7 @@ def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
 
 
 KV_POOL_SPEC = P(SP, None, None, None, TP, None)
+DECODE_ATTENTION = ("rpa", "cpu")
 
 
 def transfer_link_bytes(cfg: StepConfig, groups: int, itemsize: int) -> int:
@@ -111,6 +117,7 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     x_groups = b.transfer_src.shape[0]
     decode_cu = jnp.arange(d_slots + 1, dtype=jnp.int32)
     attn = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
+    decode_attn = _cpu_decode(cfg.model.head_dim) if cfg.decode_attention == "cpu" else attn
 
     def attend(layer, q, k, v, kv):
         kp, vp = kv  # f[L, pages, ps, Hkv_l, d]: written in place, read one layer at a time
@@ -145,8 +152,9 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
             o = jax.lax.all_to_all(o[meta.inverse], SP, split_axis=0, concat_axis=1,
                                    tiled=True)  # [P, Hq_l, d], sequence-sharded again
             out = out.at[:p].set(o)
-        od = attn(q[idx], _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:]),
-                  b.decode_kv_len, b.decode_pages + base, decode_cu, b.num_decode[None])
+        od = decode_attn(q[idx], _layers_as_pages(kp, kp.shape[1:]),
+                         _layers_as_pages(vp, vp.shape[1:]), b.decode_kv_len,
+                         b.decode_pages + base, decode_cu, b.num_decode[None])
         out = out.at[b.decode_index].set(od, mode="drop")
         return out, (kp, vp)
 
@@ -164,6 +172,18 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     sampled = SampledRows(tokens, logprobs, top_ids, top_lps,
                           logits if cfg.return_logits else None)
     return StepOutputs(k_pool[None], v_pool[None], jax.tree.map(lambda a: a[None], sampled))
+
+
+def _cpu_decode(head_dim: int):
+    """``ragged_paged_attention``'s signature for the decode slice (one query per slot) by
+    the CPU handler; the kernel's default scale."""
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def call(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+        del cu_q_lens  # one query per sequence: arange(D + 1)
+        return paged_decode(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, scale)
+
+    return call
 
 
 def _write_stacked(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array,

@@ -3,6 +3,7 @@
 from pallas_kernels.cpu_gemm.stacked_gemm import (
     CACHE_ENV_VAR,
     blas_available,
+    build_handler,
     kernel_cache_dir,
     library_key,
     load_library,
@@ -10,5 +11,5 @@ from pallas_kernels.cpu_gemm.stacked_gemm import (
     stacked_matmul_xla,
 )
 
-__all__ = ["CACHE_ENV_VAR", "blas_available", "kernel_cache_dir", "library_key",
+__all__ = ["CACHE_ENV_VAR", "blas_available", "build_handler", "kernel_cache_dir", "library_key",
            "load_library", "stacked_matmul", "stacked_matmul_xla"]

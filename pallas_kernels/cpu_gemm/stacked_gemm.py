@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CACHE_ENV_VAR", "blas_available", "load_library", "stacked_matmul",
+__all__ = ["CACHE_ENV_VAR", "blas_available", "build_handler", "load_library", "stacked_matmul",
            "stacked_matmul_xla"]
 
 CACHE_ENV_VAR = "CONFLUX_KERNEL_CACHE"
@@ -47,14 +47,17 @@ def kernel_cache_dir() -> Path:
     return Path(base) / "conflux_jax" / "kernels"
 
 
-def _build(source: Path, out: Path, include: list[str], lib_dir: str, lib: str) -> None:
+def build_handler(source: Path, out: Path, include: list[str], lib_dir: str | None = None,
+                  lib: str | None = None, flags: tuple[str, ...] = ("-O2",)) -> None:
+    """Compile an FFI handler's ``source`` into the shared library ``out`` (atomically:
+    concurrent builders each write a temporary file and rename it into place)."""
     cxx = os.environ.get("CXX", "c++")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # atomic: concurrent builders
+    link = [f"-L{lib_dir}", f"-l{lib}", f"-Wl,-rpath,{lib_dir}"] if lib else []
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
-        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-               *(f"-I{d}" for d in include), str(source), f"-L{lib_dir}", f"-l{lib}",
-               f"-Wl,-rpath,{lib_dir}", "-o", str(partial)]
+        cmd = [cxx, *flags, "-std=c++17", "-shared", "-fPIC", "-w",
+               *(f"-I{d}" for d in include), str(source), *link, "-o", str(partial)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as e:
@@ -85,7 +88,7 @@ def load_library() -> ctypes.CDLL:
     include = [jax.ffi.include_dir(), blas.get_include_dir()]
     path = kernel_cache_dir() / f"stacked_gemm-{library_key()}.so"
     if not path.exists():
-        _build(_SOURCE, path, include, blas.get_lib_dir(), blas.get_library())
+        build_handler(_SOURCE, path, include, blas.get_lib_dir(), blas.get_library())
     lib = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ConfluxStackedGemm),
                                 platform="cpu")

@@ -27,13 +27,15 @@ CPU_LINEARS = "blas" if jax.default_backend() == "cpu" else "auto"
 
 
 def make_executor(config, mesh, params, linears=CPU_LINEARS):
+    # With XLA's dot, also the XLA form of decode attention (else the CPU's FFI handler).
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
-                        buckets=BUCKETS, return_logits=True, linears=linears)
+                        buckets=BUCKETS, return_logits=True, linears=linears,
+                        decode_attention="rpa" if linears == "xla" else "auto")
     return JaxExecutor(config, params, ec)
 
 
 # OpenBLAS is covered on an sp and a tp mesh; the mixed mesh runs XLA's dot, what "auto"
-# takes on every multi-device mesh.
+# takes on every multi-device mesh, and the kernel's XLA form of decode attention.
 CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU default OpenBLAS
     "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),
     "llama-sp2-tp2-xla-linears": (TINY_LLAMA, "sp=2,tp=2", "conflux", "xla"),

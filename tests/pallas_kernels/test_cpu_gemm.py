@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.cpu_gemm import stacked_matmul, stacked_matmul_xla
-from pallas_kernels.cpu_gemm.stacked_gemm import _SOURCE, _build
+from pallas_kernels.cpu_gemm.stacked_gemm import _SOURCE, build_handler
 
 RNG = np.random.default_rng(0)
 
@@ -64,7 +64,7 @@ def test_what_it_cannot_do_is_refused():
 def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler"):
-        _build(_SOURCE, tmp_path / "out.so", [], str(tmp_path), "m")
+        build_handler(_SOURCE, tmp_path / "out.so", [], str(tmp_path), "m")
     assert not (tmp_path / "out.so").exists()
 
 

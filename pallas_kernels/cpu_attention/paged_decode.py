@@ -1,0 +1,82 @@
+"""Paged decode attention on the CPU as an XLA FFI call: each sequence's KV read in place.
+
+For decode-like calls (one query token per sequence) XLA's own form (``impl="xla"``) gathers
+every sequence's pages into a new buffer and runs small batched dots over it; at SmolLM2's
+shapes that costs several times what reading the KV once does. ``paged_decode`` hands the
+pool to a C++ handler (``paged_decode.cc``) that walks each sequence's pages where they
+lie, one token row (all KV heads) at a time. It is built on first use with the system C++
+compiler into the kernel cache of ``pallas_kernels.cpu_gemm`` (for each of AVX-512, AVX2
+and plain x86-64; the loader picks the host's). fp32 only.
+
+The contract is ``ragged_paged_attention``'s for ``cu_q_lens = arange(S + 1)``;
+``ragged_paged_attention_ref`` is the oracle the tests check it against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu_gemm import build_handler, kernel_cache_dir
+
+__all__ = ["paged_decode", "paged_decode_available"]
+
+TARGET = "conflux_paged_decode"
+_SOURCE = Path(__file__).with_name("paged_decode.cc")
+
+
+def _library_key() -> str:
+    return hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.__version__.encode(),
+                                      jax.lib.__version__.encode()])).hexdigest()[:16]
+
+
+@functools.cache
+def _load() -> ctypes.CDLL:
+    path = kernel_cache_dir() / f"paged_decode-{_library_key()}.so"
+    if not path.exists():
+        build_handler(_SOURCE, path, [jax.ffi.include_dir()],
+                      flags=("-O3", "-fopenmp-simd", "-ffast-math", "-lmvec", "-pthread"))
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ConfluxPagedDecode),
+                                platform="cpu")
+    return lib
+
+
+@functools.cache
+def paged_decode_available() -> tuple[bool, str]:
+    """(whether ``paged_decode`` can run in this process, why not): a CPU backend and a
+    C++ compiler that builds the handler."""
+    if jax.default_backend() != "cpu":
+        return False, f"the default backend is {jax.default_backend()}, not cpu"
+    try:
+        _load()
+    except RuntimeError as e:
+        return False, str(e)
+    return True, ""
+
+
+def paged_decode(
+    q: jax.Array,  # f32[S, Hq, d] one query token per sequence
+    k_pages: jax.Array,  # f32[P, page_size, Hkv, d]
+    v_pages: jax.Array,  # f32[P, page_size, Hkv, d]
+    kv_lens: jax.Array,  # i32[S] keys each query sees (its own included)
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    num_seqs: jax.Array,  # i32[] or i32[1] live sequences (rows past it are zero)
+    sm_scale: float,
+) -> jax.Array:  # f32[S, Hq, d]
+    """Decode attention by the C++ handler (``paged_decode_available`` must hold).
+    Page ids are clipped into the pool; only a sequence's first ``kv_lens`` keys are read."""
+    for name, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if a.dtype != jnp.float32:
+            raise ValueError(f"paged_decode is fp32 only, got {name} {a.dtype}")
+    _load()
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32),
+                jnp.asarray(page_indices, jnp.int32),
+                jnp.asarray(num_seqs, jnp.int32).reshape(1), sm_scale=np.float32(sm_scale))

@@ -1,0 +1,77 @@
+"""The CPU's decode attention (an XLA FFI call) equals the numpy oracle of ragged paged
+attention on decode calls: GQA, unequal lengths over scattered pages, padding slots past
+``num_seqs``, empty sequences, page ids past the pool; fp32 only."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cpu_attention import paged_decode, paged_decode_available
+from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+
+pytestmark = pytest.mark.skipif(not paged_decode_available()[0],
+                                reason=paged_decode_available()[1])
+
+
+def _case(rng, seqs, lens, hq, hkv, d, page_size=4, num_pages=128, width=12):
+    q = rng.standard_normal((seqs, hq, d)).astype(np.float32)
+    k = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+    table = np.full((seqs, width), 10**6, np.int32)  # unused entries point past the pool
+    free = list(rng.permutation(num_pages))
+    for s, n in enumerate(lens):
+        for j in range(math.ceil(n / page_size)):
+            table[s, j] = free.pop()
+    kv_lens = np.zeros(seqs, np.int32)
+    kv_lens[: len(lens)] = lens
+    return q, k, v, kv_lens, table
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 8)])
+@pytest.mark.parametrize("lens", [[1], [5, 17, 48, 2], [48] * 6 + [3, 30]])
+def test_matches_the_oracle(hq, hkv, d, lens):
+    rng = np.random.default_rng(len(lens) * 100 + hq)
+    seqs = len(lens) + 2  # two padding slots past num_seqs
+    q, k, v, kv_lens, table = _case(rng, seqs, lens, hq, hkv, d)
+    kv_lens[-1] = 7  # a padding slot's length must not make it attend
+    num = np.int32(len(lens))
+    cu = np.arange(seqs + 1, dtype=np.int32)
+    scale = 1 / math.sqrt(d)
+    got = np.asarray(jax.jit(paged_decode, static_argnums=6)(
+        q, k, v, kv_lens, table, num, scale))
+    clipped = np.minimum(table, len(k) - 1)  # the oracle indexes only pages of the pool
+    want = np.asarray(ref_ragged_paged_attention(q, k, v, kv_lens, clipped, cu, num,
+                                                 sm_scale=scale))
+    np.testing.assert_allclose(got[: len(lens)], want[: len(lens)], rtol=2e-5, atol=2e-5)
+    assert not got[len(lens):].any()
+
+
+def test_a_batch_split_over_threads_matches():
+    """Past 512 keys in all the call splits its sequences over threads by KV length."""
+    rng = np.random.default_rng(3)
+    lens = [500, 3, 260, 511, 1, 90, 333]
+    q, k, v, kv_lens, table = _case(rng, len(lens), lens, 6, 2, 32, page_size=16,
+                                    num_pages=160, width=32)
+    cu = np.arange(len(lens) + 1, dtype=np.int32)
+    num = np.int32(len(lens))
+    got = np.asarray(paged_decode(q, k, v, kv_lens, table, num, 0.2))
+    want = np.asarray(ref_ragged_paged_attention(q, k, v, kv_lens, np.minimum(table, 159), cu,
+                                                 num, sm_scale=0.2))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_an_empty_sequence_gives_a_zero_row():
+    rng = np.random.default_rng(1)
+    q, k, v, kv_lens, table = _case(rng, 3, [0, 9, 0], 4, 2, 16)
+    got = np.asarray(paged_decode(q, k, v, kv_lens, table, np.int32(3), 0.25))
+    assert not got[0].any() and not got[2].any() and got[1].any()
+
+
+def test_other_dtypes_are_refused_by_name():
+    rng = np.random.default_rng(2)
+    q, k, v, kv_lens, table = _case(rng, 2, [3, 4], 4, 2, 16)
+    with pytest.raises(ValueError, match="fp32 only, got k_pages bfloat16"):
+        paged_decode(q, jnp.asarray(k, jnp.bfloat16), v, kv_lens, table, np.int32(2), 0.25)
