@@ -183,6 +183,36 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, m
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
 
+def test_failing_output_processing_fails_its_requests_and_the_engine_keeps_serving(
+        monkeypatch):
+    """The step ran but turning its tokens into outputs raised (fault injected once): the
+    step's requests end with "error", the scheduler is left able to plan (before, every
+    later step failed with "schedule() called twice"), and nothing leaks."""
+    from conflux_jax.outputs import OutputTracker
+
+    engine = make_engine()
+    real_append = OutputTracker.append
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected output failure")
+        return real_append(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputTracker, "append", flaky)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == rid][-1] == "error"
+    ok = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0,
+                                                      ignore_eos=True)])[0]
+    assert ok.outputs[0].token_ids == solo_greedy([5, 6, 7], 4)
+    bm = engine.scheduler.blocks
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+
+
 def test_engine_uses_the_fitted_profile_for_its_mesh(tmp_path, monkeypatch):
     from conflux_jax.latency import Affine, LatencyModel
     from conflux_jax.latency import coeffs as latency

@@ -66,7 +66,8 @@ class EngineCore:
         """Plan, execute and commit one iteration; None when nothing could be scheduled.
 
         Raises :class:`StepFailed` when the executor raises (the plan is committed as not
-        run, so the scheduler's KV bookkeeping stays whole). When the failure cost the
+        run, so the scheduler's KV bookkeeping stays whole) or ``observe`` does (committed
+        as run). When the failure cost the
         executor its KV (:class:`~conflux_jax.plan.KVLost`), every request that held KV
         is first set to recompute from its tokens: the caller fails the plan's requests,
         and the others resume as if preempted. :class:`~conflux_jax.plan.ExecutorLost`
@@ -90,6 +91,12 @@ class EngineCore:
                 sched.recompute_all()
             raise StepFailed(plan, exc) from exc
         if observe is not None:
-            observe(plan, result)
+            try:
+                observe(plan, result)
+            except Exception as exc:
+                # The step ran and its KV is written: commit it as run, then fail its
+                # requests. Left uncommitted, every later schedule() would refuse to plan.
+                sched.commit(plan, result)
+                raise StepFailed(plan, exc) from exc
         finished = sched.commit(plan, result)
         return Iteration(plan, result, tuple(finished))
