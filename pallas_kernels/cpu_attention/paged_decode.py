@@ -31,8 +31,15 @@ TARGET = "conflux_paged_decode"
 _SOURCE = Path(__file__).with_name("paged_decode.cc")
 
 
+# No -ffast-math: GCC 12 then links crtfastmath, whose constructor flushes subnormals to
+# zero for the whole process the moment the library loads.
+_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-pthread")
+
+
 def _library_key() -> str:
-    return hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.__version__.encode(),
+    """The build's identity: its source, flags and the jax and jaxlib versions."""
+    return hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(),
+                                      jax.__version__.encode(),
                                       jax.lib.__version__.encode()])).hexdigest()[:16]
 
 
@@ -40,8 +47,7 @@ def _library_key() -> str:
 def _load() -> ctypes.CDLL:
     path = kernel_cache_dir() / f"paged_decode-{_library_key()}.so"
     if not path.exists():
-        build_handler(_SOURCE, path, [jax.ffi.include_dir()],
-                      flags=("-O3", "-fopenmp-simd", "-ffast-math", "-lmvec", "-pthread"))
+        build_handler(_SOURCE, path, [jax.ffi.include_dir()], flags=_FLAGS)
     lib = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ConfluxPagedDecode),
                                 platform="cpu")

@@ -75,3 +75,12 @@ def test_other_dtypes_are_refused_by_name():
     q, k, v, kv_lens, table = _case(rng, 2, [3, 4], 4, 2, 16)
     with pytest.raises(ValueError, match="fp32 only, got k_pages bfloat16"):
         paged_decode(q, jnp.asarray(k, jnp.bfloat16), v, kv_lens, table, np.int32(2), 0.25)
+
+
+def test_loading_the_handler_keeps_subnormals():
+    """The library must not set the process's flush-to-zero state (what linking GCC's
+    crtfastmath does): numpy, XLA and hypothesis all rely on IEEE subnormals."""
+    paged_decode(*_case(np.random.default_rng(4), 1, [3], 4, 2, 16)[:5], np.int32(1), 0.25)
+    tiny = np.finfo(np.float32).smallest_subnormal
+    assert tiny * np.float32(3.0) > 0  # denormals-are-zero would read tiny as 0
+    assert np.float32(1e-38) / np.float32(100.0) > 0  # flush-to-zero would drop this
