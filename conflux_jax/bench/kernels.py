@@ -316,9 +316,8 @@ def bench_small(iters: int) -> dict[str, Any]:
         row["max_abs_diff"] = float(np.abs(outs["xla"] - outs["interpret"]).max())
         cpu = ""
         if set(shape.q_lens) == {1} and paged_decode_available()[0]:  # the CPU's handler
-            scale = 1 / math.sqrt(shape.head_dim)
-            fn = jax.jit(lambda q, k, v, lens, pages, cu, n, scale=scale: paged_decode(
-                q, k, v, lens, pages, n, scale))
+            fn = jax.jit(lambda q, k, v, lens, pages, cu, n: paged_decode(
+                q, k, v, lens, pages, n))
             row["cpu_handler"] = time_call(fn, args, iters)
             row["cpu_handler_max_abs_diff"] = float(np.abs(np.asarray(fn(*args))
                                                            - outs["xla"]).max())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -117,7 +116,7 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     x_groups = b.transfer_src.shape[0]
     decode_cu = jnp.arange(d_slots + 1, dtype=jnp.int32)
     attn = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
-    decode_attn = _cpu_decode(cfg.model.head_dim) if cfg.decode_attention == "cpu" else attn
+    decode_attn = _cpu_decode if cfg.decode_attention == "cpu" else attn
 
     def attend(layer, q, k, v, kv):
         kp, vp = kv  # f[L, pages, ps, Hkv_l, d]: written in place, read one layer at a time
@@ -174,16 +173,11 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     return StepOutputs(k_pool[None], v_pool[None], jax.tree.map(lambda a: a[None], sampled))
 
 
-def _cpu_decode(head_dim: int):
-    """``ragged_paged_attention``'s signature for the decode slice (one query per slot) by
-    the CPU handler; the kernel's default scale."""
-    scale = 1.0 / math.sqrt(head_dim)
-
-    def call(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
-        del cu_q_lens  # one query per sequence: arange(D + 1)
-        return paged_decode(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, scale)
-
-    return call
+def _cpu_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+    """``ragged_paged_attention``'s signature for the decode slice (one query per slot,
+    ``cu_q_lens = arange(D + 1)``) by the CPU handler."""
+    del cu_q_lens
+    return paged_decode(q, k_pages, v_pages, kv_lens, page_indices, num_seqs)
 
 
 def _write_stacked(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array,

@@ -16,42 +16,29 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_gemm import build_handler, kernel_cache_dir
+from pallas_kernels.cpu_gemm import load_handler
 
 __all__ = ["paged_decode", "paged_decode_available"]
 
 TARGET = "conflux_paged_decode"
 _SOURCE = Path(__file__).with_name("paged_decode.cc")
 
-
 # No -ffast-math: GCC 12 then links crtfastmath, whose constructor flushes subnormals to
 # zero for the whole process the moment the library loads.
 _FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-pthread")
 
 
-def _library_key() -> str:
-    """The build's identity: its source, flags and the jax and jaxlib versions."""
-    return hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(),
-                                      jax.__version__.encode(),
-                                      jax.lib.__version__.encode()])).hexdigest()[:16]
-
-
 @functools.cache
 def _load() -> ctypes.CDLL:
-    path = kernel_cache_dir() / f"paged_decode-{_library_key()}.so"
-    if not path.exists():
-        build_handler(_SOURCE, path, [jax.ffi.include_dir()], flags=_FLAGS)
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ConfluxPagedDecode),
-                                platform="cpu")
-    return lib
+    return load_handler(_SOURCE, "ConfluxPagedDecode", TARGET, [jax.ffi.include_dir()],
+                        _FLAGS)
 
 
 @functools.cache
@@ -74,15 +61,17 @@ def paged_decode(
     kv_lens: jax.Array,  # i32[S] keys each query sees (its own included)
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     num_seqs: jax.Array,  # i32[] or i32[1] live sequences (rows past it are zero)
-    sm_scale: float,
+    sm_scale: float | None = None,
 ) -> jax.Array:  # f32[S, Hq, d]
     """Decode attention by the C++ handler (``paged_decode_available`` must hold).
-    Page ids are clipped into the pool; only a sequence's first ``kv_lens`` keys are read."""
+    Page ids are clipped into the pool; only a sequence's first ``kv_lens`` keys are read.
+    ``sm_scale`` defaults to the kernel's ``1/sqrt(d)``."""
     for name, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if a.dtype != jnp.float32:
             raise ValueError(f"paged_decode is fp32 only, got {name} {a.dtype}")
     _load()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32),
                 jnp.asarray(page_indices, jnp.int32),
-                jnp.asarray(num_seqs, jnp.int32).reshape(1), sm_scale=np.float32(sm_scale))
+                jnp.asarray(num_seqs, jnp.int32).reshape(1), sm_scale=np.float32(scale))

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CACHE_ENV_VAR", "blas_available", "build_handler", "load_library", "stacked_matmul",
-           "stacked_matmul_xla"]
+__all__ = ["CACHE_ENV_VAR", "blas_available", "build_handler", "handler_key", "load_handler",
+           "load_library", "stacked_matmul", "stacked_matmul_xla"]
 
 CACHE_ENV_VAR = "CONFLUX_KERNEL_CACHE"
 # OpenBLAS's idle workers spin ~0.1 s (2^28 cycles) before they sleep; between two GEMMs of
@@ -37,6 +37,7 @@ CACHE_ENV_VAR = "CONFLUX_KERNEL_CACHE"
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 TARGET = "conflux_stacked_gemm"
 _SOURCE = Path(__file__).with_name("stacked_gemm.cc")
+_FLAGS = ("-O2",)
 
 
 def kernel_cache_dir() -> Path:
@@ -67,13 +68,33 @@ def build_handler(source: Path, out: Path, include: list[str], lib_dir: str | No
         os.replace(partial, out)
 
 
+def handler_key(source: Path, flags: tuple[str, ...], *versions: str) -> str:
+    """A built handler's identity: its source, build flags, the jax and jaxlib versions and
+    those of what it links (``versions``)."""
+    return hashlib.sha256(b"\0".join([
+        source.read_bytes(), " ".join(flags).encode(), jax.__version__.encode(),
+        jax.lib.__version__.encode(), *(v.encode() for v in versions)])).hexdigest()[:16]
+
+
+def load_handler(source: Path, symbol: str, target: str, include: list[str],
+                 flags: tuple[str, ...] = ("-O2",), lib_dir: str | None = None,
+                 lib: str | None = None, versions: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build ``source`` into the kernel cache (once per ``handler_key``), load it and
+    register its ``symbol`` with XLA as the CPU FFI target ``target``."""
+    path = kernel_cache_dir() / f"{source.stem}-{handler_key(source, flags, *versions)}.so"
+    if not path.exists():
+        build_handler(source, path, include, lib_dir, lib, flags)
+    handle = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
+                                platform="cpu")
+    return handle
+
+
 def library_key() -> str:
-    """The handler's identity: its source and the jax, jaxlib and OpenBLAS versions."""
+    """The handler's identity: its source and flags, the jax, jaxlib and OpenBLAS versions."""
     import scipy_openblas32 as blas
 
-    return hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), jax.__version__.encode(), jax.lib.__version__.encode(),
-        blas.__version__.encode()])).hexdigest()[:16]
+    return handler_key(_SOURCE, _FLAGS, blas.__version__)
 
 
 @functools.cache
@@ -85,14 +106,9 @@ def load_library() -> ctypes.CDLL:
     except ImportError as e:
         raise RuntimeError("the CPU GEMM needs the scipy-openblas32 wheel "
                            "(pip install scipy-openblas32)") from e
-    include = [jax.ffi.include_dir(), blas.get_include_dir()]
-    path = kernel_cache_dir() / f"stacked_gemm-{library_key()}.so"
-    if not path.exists():
-        build_handler(_SOURCE, path, include, blas.get_lib_dir(), blas.get_library())
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ConfluxStackedGemm),
-                                platform="cpu")
-    return lib
+    return load_handler(_SOURCE, "ConfluxStackedGemm", TARGET,
+                        [jax.ffi.include_dir(), blas.get_include_dir()], _FLAGS,
+                        blas.get_lib_dir(), blas.get_library(), (blas.__version__,))
 
 
 def blas_available() -> tuple[bool, str]:
