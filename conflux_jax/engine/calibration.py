@@ -139,9 +139,10 @@ def calibrate(ex: JaxExecutor, model: str, budget: Budget = Budget(),
                  token_buckets=ex.buckets.tokens, shared_cores=shared,
                  meta={"model": model, "hardware": ex.device_kind,
                        "mesh": f"sp={key.sp},tp={key.tp}"})
-    err = mape(fitted, test)
+    # Rounded once, so the log and the saved meta state the same figure.
+    err = round(mape(fitted, test), 3)
     fitted = dataclasses.replace(fitted, meta={
-        **fitted.meta, "source": "calibration", "heldout_mape_pct": round(err, 3),
+        **fitted.meta, "source": "calibration", "heldout_mape_pct": err,
         "num_test": len(test), "space": dataclasses.asdict(space),
         "calibration_key": key.to_json()})
     path = saved_path(ex, model, directory)
