@@ -61,7 +61,8 @@ class SamplingSpec:
     ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` disable those
     filters; ``seed`` keys the request's random stream (with the output index). The
     penalties are vLLM's (neutral: 0, 0, 1); a penalized request's tokens travel in
-    ``IterationPlan.histories``.
+    ``IterationPlan.histories``. ``min_p`` 0 is off; ``logit_bias`` holds the (token,
+    value) pairs added to the logits (the +-100 ones travel as the token mask).
     """
 
     temperature: float = 0.0
@@ -71,6 +72,8 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:

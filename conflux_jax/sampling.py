@@ -12,6 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+# logit_bias entries per request with a value other than +-100 (those are a mask, of any
+# size): the on-device additive bias is a fixed-width row of (token, value) pairs.
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +71,20 @@ class SamplingParams:
     The penalties follow vLLM: ``presence_penalty`` / ``frequency_penalty`` subtract from
     the logits of tokens already in the output (once / per occurrence);
     ``repetition_penalty`` divides positive and multiplies negative logits of tokens in
-    the prompt or the output. ``structured_outputs`` (or the older ``guided_decoding``)
-    constrains the output with a token mask. ``n`` independent outputs share the prompt.
+    the prompt or the output. ``min_p`` (vLLM's) drops tokens whose probability, after
+    the temperature, is below ``min_p`` times the most likely token's. ``logit_bias`` is
+    OpenAI's: each value in [-100, 100] is added to that token's logit (-100 and 100 act
+    as a ban and as "only these tokens", exactly, by the token mask).
+    ``structured_outputs`` (or the older ``guided_decoding``) constrains the output with a
+    token mask. ``n`` independent outputs share the prompt (and, with prefix caching, its
+    KV).
     """
 
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: Sequence[str] | str | None = None
     stop_token_ids: Sequence[int] | None = None
@@ -91,8 +100,8 @@ class SamplingParams:
     # EOS and stop_token_ids cannot be sampled (and stop strings do not match) before
     # this many output tokens (vLLM's).
     min_tokens: int = 0
-    # OpenAI's logit_bias, as a mask: -100 bans a token, +100 restricts sampling to the
-    # +100 tokens; other values are refused (an additive bias is not implemented).
+    # OpenAI's logit_bias: token id -> value in [-100, 100], added to the logit (the
+    # sampler's mask takes -100 as a ban and +100 as "only the +100 tokens").
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None  # vLLM's: sample only these
     skip_special_tokens: bool = True  # in the output text
@@ -106,6 +115,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if self.n < 1:
@@ -120,12 +131,14 @@ class SamplingParams:
                                    and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logit_bias:
-            odd = [v for v in self.logit_bias.values() if v not in (-100, 100)]
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            odd = [v for v in bias.values() if not -100.0 <= v <= 100.0]
             if odd:
-                raise ValueError("logit_bias values other than -100 (ban) and 100 "
-                                 f"(only these tokens) are not supported, got {odd[0]}")
-            object.__setattr__(self, "logit_bias",
-                               {int(k): float(v) for k, v in self.logit_bias.items()})
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {odd[0]}")
+            if len(self.additive_bias_of(bias)) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} values other "
+                                 "than -100 and 100")
+            object.__setattr__(self, "logit_bias", bias)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
@@ -142,6 +155,15 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
+    @staticmethod
+    def additive_bias_of(bias: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+        return tuple((t, v) for t, v in bias.items() if v not in (-100.0, 100.0) and v)
+
+    @property
+    def additive_bias(self) -> tuple[tuple[int, float], ...]:
+        """The (token, value) pairs of ``logit_bias`` the sampler adds (not +-100, not 0)."""
+        return self.additive_bias_of(self.logit_bias or {})
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(s for s in (self.stop or ()) if s)
@@ -156,12 +178,12 @@ class SamplingParams:
             bits[:] = False
             bits[list(self.allowed_token_ids)] = True
         bias = self.logit_bias or {}
-        only = [t for t, v in bias.items() if v > 0]
+        only = [t for t, v in bias.items() if v == 100.0]
         if only:
             keep = np.zeros(vocab, bool)
             keep[only] = True
             bits &= keep
-        bits[[t for t, v in bias.items() if v < 0]] = False
+        bits[[t for t, v in bias.items() if v == -100.0]] = False
         if not bits.any():
             raise ValueError("allowed_token_ids and logit_bias leave no token to sample")
         return pack_mask(bits)
@@ -182,9 +204,11 @@ def pack_mask(allowed: np.ndarray) -> np.ndarray:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LogitAdjustments:
-    """Per-row logit processing before sampling: the grammar mask, then the penalties.
+    """Per-row logit processing before sampling: the grammar mask, the additive logit
+    bias, then the penalties (vLLM's order).
 
-    A free row has an all-ones bitmask and neutral penalties (0, 0, 1).
+    A free row has an all-ones bitmask, no bias (ids ``V``, dropped) and neutral
+    penalties (0, 0, 1).
     """
 
     bitmask: jax.Array  # i32[S, W] allowed tokens, packed (see ``mask_words``)
@@ -193,16 +217,25 @@ class LogitAdjustments:
     presence: jax.Array  # f32[S]
     frequency: jax.Array  # f32[S]
     repetition: jax.Array  # f32[S]
+    bias_ids: jax.Array | None = None  # i32[S, B] tokens to bias; padding = V (dropped)
+    bias: jax.Array | None = None  # f32[S, B] added to those tokens' logits
 
     def apply(self, logits: jax.Array) -> jax.Array:  # f32[S, V] -> f32[S, V]
         vocab = logits.shape[-1]
         bits = (self.bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
         allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].astype(bool)
         logits = jnp.where(allowed, logits, -jnp.inf)
+        if self.bias_ids is not None:
+            logits = jax.lax.cond(jnp.any(self.bias != 0), self._add_bias, lambda lg: lg,
+                                  logits)
         penalized = jnp.any((self.presence != 0) | (self.frequency != 0)
                             | (self.repetition != 1))
         # The scatter over the histories runs only when some row has a penalty.
         return jax.lax.cond(penalized, self._penalize, lambda lg: lg, logits)
+
+    def _add_bias(self, logits: jax.Array) -> jax.Array:
+        rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], self.bias_ids.shape)
+        return logits.at[rows, self.bias_ids].add(self.bias, mode="drop")
 
     def _penalize(self, logits: jax.Array) -> jax.Array:
         """vLLM's order: repetition (prompt + output), then frequency, then presence."""
@@ -228,13 +261,14 @@ def sample(
     steps: jax.Array,  # i32[S] index of the token being sampled (fresh key per token)
     num_top_logprobs: int = 0,
     adjust: LogitAdjustments | None = None,
+    min_p: jax.Array | None = None,  # f32[S]; 0 = off
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens i32[S], logprobs f32[S], top_ids i32[S, n], top_logprobs f32[S, n]).
 
     Logprobs are those of the model's unprocessed distribution (vLLM's default,
     ``raw_logprobs``); the token is drawn (or, greedy, argmax'd) from the logits after
-    ``adjust`` (mask, penalties). The sort needed by top-k/top-p runs only when some slot
-    uses them.
+    ``adjust`` (mask, bias, penalties), then the temperature, min-p, top-k and top-p
+    (vLLM's order). The sort needed by top-k/top-p runs only when some slot uses them.
     """
     raw = logits
     if adjust is not None:
@@ -256,9 +290,16 @@ def sample(
         cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(lg < cutoff, -jnp.inf, lg)
 
+    def min_p_filtered(lg: jax.Array) -> jax.Array:
+        # p_i < min_p * p_max  <=>  lg_i < lg_max + log(min_p), in logits: no softmax.
+        top = jnp.max(lg, axis=-1, keepdims=True)
+        return jnp.where(lg < top + jnp.log(min_p)[:, None], -jnp.inf, lg)
+
     def drawn() -> jax.Array:
         safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
         scaled = logits / safe_t
+        if min_p is not None:
+            scaled = jax.lax.cond(jnp.any(min_p > 0), min_p_filtered, lambda lg: lg, scaled)
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
         scaled = jax.lax.cond(needs_filter, filtered, lambda lg: lg, scaled)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)

@@ -26,7 +26,12 @@ from pydantic import (
     model_validator,
 )
 
-from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutputsParams
+from conflux_jax.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16  # choices per request (each one a sequence of its own in the engine)
 MAX_STOP_STRINGS = 16
@@ -162,8 +167,9 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's sampling extras that have their effect.
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
-    # OpenAI's logit_bias as a mask: -100 bans, 100 restricts to those tokens.
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    # OpenAI's logit_bias: token id -> value in [-100, 100], added to the logit.
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1,
                                                     max_length=1 << 17)
     skip_special_tokens: StrictBool = True
@@ -184,7 +190,6 @@ class _SamplingFields(BaseModel):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     use_beam_search: _refused("beam search", False) = None
     length_penalty: _refused("length_penalty needs beam search", 1, 1.0) = None
-    min_p: _refused("min_p sampling", 0, 0.0) = None
     spaces_between_special_tokens: _refused(
         "special tokens are always decoded without added spaces", True) = None
     prompt_logprobs: _refused("prompt logprobs are not computed") = None
@@ -216,10 +221,8 @@ class _SamplingFields(BaseModel):
         for key, value in (v or {}).items():
             if not key.isdigit() or int(key) > 2**31 - 1:
                 raise ValueError(f"keys are token ids, got {key!r}")
-            if value not in (-100, 100):
-                raise ValueError(f"only -100 (ban the token) and 100 (sample only such "
-                                 f"tokens) are supported, got {value} for token {key}: an "
-                                 "additive bias is not implemented")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values are in [-100, 100], got {value} for token {key}")
         return v
 
     @model_validator(mode="after")
@@ -525,7 +528,7 @@ def to_sampling_params(req: GenerationRequest) -> SamplingParams:
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
-        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output, n=req.n,
         presence_penalty=req.presence_penalty or 0.0,

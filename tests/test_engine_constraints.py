@@ -83,27 +83,43 @@ def test_invalid_constraint_is_refused_at_admission():
     assert not engine.has_unfinished
 
 
-def test_penalized_greedy_tokens_are_the_numpy_oracles_argmax():
+def test_penalized_biased_and_min_p_tokens_follow_the_numpy_oracle():
+    """Greedy rows take the argmax of numpy's bias-then-penalties over the executor's raw
+    logits; the min-p row only draws tokens min-p keeps."""
     engine = make_engine(return_logits=True)
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 40, 12).tolist() for _ in range(4)]  # repeats in the prompts
+    prompts = [rng.integers(3, 40, 12).tolist() for _ in range(6)]  # repeats in the prompts
+    bias = {int(t): float(v) for t, v in zip(rng.choice(40, 8, replace=False),
+                                             rng.uniform(-4, 4, 8), strict=True)}
     params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, **kw) for kw in (
         {"repetition_penalty": 1.8}, {"frequency_penalty": 1.5, "presence_penalty": -0.5},
-        {"presence_penalty": 2.0, "repetition_penalty": 0.6}, {})]
+        {"presence_penalty": 2.0, "repetition_penalty": 0.6}, {}, {"logit_bias": bias},
+        {"logit_bias": bias, "frequency_penalty": 1.0})]
+    params.append(SamplingParams(max_tokens=14, temperature=1.0, seed=3, min_p=0.2,
+                                 ignore_eos=True))
+    prompts.append(prompts[3])
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outputs: dict[int, list[int]] = {rid: [] for rid in ids}
     checked = 0
     while engine.has_unfinished:
         for out in engine.step():
             rid, sp = out.request_id, params[ids.index(out.request_id)]
-            logits = np.asarray(engine.executor.last_logits[rid])
-            want = np_penalize(logits, prompts[ids.index(rid)], outputs[rid],
-                               sp.presence_penalty, sp.frequency_penalty,
-                               sp.repetition_penalty)
-            # Ties within float32 rounding of the adjusted logits may go either way.
-            assert want[out.new_token_ids[0]] >= want.max() - 1e-4
+            logits = np.asarray(engine.executor.last_logits[rid], np.float64)
+            token = out.new_token_ids[0]
+            if sp.min_p:
+                assert logits[token] >= logits.max() + np.log(sp.min_p) - 1e-4
+            else:
+                biased = logits.copy()
+                for t, v in (sp.logit_bias or {}).items():
+                    biased[t] += v
+                want = np_penalize(biased, prompts[ids.index(rid)], outputs[rid],
+                                   sp.presence_penalty, sp.frequency_penalty,
+                                   sp.repetition_penalty)
+                # Ties within float32 rounding of the adjusted logits may go either way.
+                assert want[token] >= want.max() - 1e-4
             outputs[rid] += out.new_token_ids
             checked += 1
-    assert checked == 4 * 14
-    # The penalties did act: the penalized runs differ from the free one's argmax path.
-    assert len({tuple(o) for o in outputs.values()}) > 1
+    assert checked == 7 * 14
+    # The penalties and the bias did act: those runs differ from the free one's path.
+    free = outputs[ids[3]]
+    assert all(outputs[ids[i]] != free for i in (0, 1, 2, 4, 5))

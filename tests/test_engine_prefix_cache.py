@@ -174,3 +174,19 @@ def test_cache_salt_keeps_tenants_apart_and_usage_reports_cached_tokens():
                 cached[out.request_id] = out.num_cached_tokens
     assert cached[a] == 0 and cached[b] == 0
     assert cached[c] == 36  # 9 full pages of 4; the last token is always computed
+
+
+def test_n_choices_prefill_their_prompt_once_and_share_its_pages():
+    engine = make_engine()
+    plans = record_plans(engine)
+    prompt = list(range(3, 43))  # 40 tokens: 9 full pages before the last token
+    (out,) = engine.generate([prompt], [dataclasses.replace(GREEDY, n=4)])
+    assert [c.token_ids for c in out.outputs] == [solo_greedy(prompt, 6)] * 4
+    prefills = [p for plan in plans for p in plan.prefill]
+    assert sum(p.length for p in prefills) == 40 + 3 * 4  # once, then each choice's tail
+    owner = prefills[0].decode_rank
+    loads = [p for p in prefills if p.load_pages]
+    assert len(loads) == 3 and all(p.start == 36 and p.load_rank == owner for p in loads)
+    assert all(p.decode_rank == owner for p in prefills if p.completes)  # on its pages
+    assert engine.scheduler.prefix_hits == 3 * 36
+    assert_all_free(engine)

@@ -100,7 +100,7 @@ def np_penalize(logits: np.ndarray, prompt: list[int], output: list[int], presen
     return out - frequency * counts - presence * (counts > 0)
 
 
-def _adjust(bitmask, histories, penalties, vocab, h=32):
+def _adjust(bitmask, histories, penalties, vocab, h=32, bias=None):
     s = len(histories)
     hist = np.full((s, h), vocab, np.int32)
     num_prompt = np.zeros(s, np.int32)
@@ -109,8 +109,13 @@ def _adjust(bitmask, histories, penalties, vocab, h=32):
         hist[i, :len(toks)] = toks
         num_prompt[i] = len(prompt)
     p = np.asarray(penalties, np.float32)
+    ids, values = np.full((s, 8), vocab, np.int32), np.zeros((s, 8), np.float32)
+    for i, row in enumerate(bias or []):
+        for j, (t, v) in enumerate(row.items()):
+            ids[i, j], values[i, j] = t, v
     return LogitAdjustments(jnp.asarray(bitmask), jnp.asarray(hist), jnp.asarray(num_prompt),
-                            jnp.asarray(p[:, 0]), jnp.asarray(p[:, 1]), jnp.asarray(p[:, 2]))
+                            jnp.asarray(p[:, 0]), jnp.asarray(p[:, 1]), jnp.asarray(p[:, 2]),
+                            jnp.asarray(ids), jnp.asarray(values))
 
 
 def test_penalties_match_the_numpy_oracle_of_vllms_semantics():
@@ -158,3 +163,63 @@ def test_bitmask_only_admits_its_tokens_greedy_and_sampled():
                                jnp.zeros(s, jnp.uint32), jnp.zeros(s, jnp.int32),
                                adjust=adj)[0])
     np.testing.assert_array_equal(tokens, greedy)
+
+
+def test_logit_bias_is_added_before_the_penalties_as_in_vllm():
+    rng = np.random.default_rng(5)
+    vocab = 40
+    logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+    histories = [([1, 2], [3, 3]), ([], [7]), ([4], [])]
+    penalties = [(0.5, 0.3, 1.3), (0.0, 0.0, 1.0), (0.2, 0.0, 1.5)]
+    bias = [{3: 2.5, 9: -7.0}, {7: 0.25}, {}]
+    adj = _adjust(np.full((3, mask_words(vocab)), -1, np.int32), histories, penalties, vocab,
+                  bias=bias)
+    got = np.asarray(adj.apply(jnp.asarray(logits)))
+    for i in range(3):
+        biased = logits[i].astype(np.float64).copy()
+        for t, v in bias[i].items():
+            biased[t] += v
+        np.testing.assert_allclose(got[i], np_penalize(biased, *histories[i], *penalties[i]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_logit_bias_flips_the_greedy_token_exactly_past_the_gap():
+    logits = np.random.default_rng(6).standard_normal((2, 30)).astype(np.float32)
+    first, second = np.argsort(-logits[0])[:2]
+    gap = float(logits[0, first] - logits[0, second])
+    bias = [{int(second): gap + 1e-3}, {int(second): gap - 1e-3}]
+    adj = _adjust(np.full((2, mask_words(30)), -1, np.int32), [([], [])] * 2,
+                  [(0.0, 0.0, 1.0)] * 2, 30, bias=bias)
+    rows = np.repeat(logits[:1], 2, 0)
+    tokens = np.asarray(sample(jnp.asarray(rows), jnp.zeros(2), jnp.zeros(2, jnp.int32),
+                               jnp.ones(2), jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32),
+                               adjust=adj)[0])
+    assert tokens.tolist() == [second, first]
+
+
+@pytest.mark.parametrize("min_p,temperature", [(0.1, 1.0), (0.3, 0.7), (0.05, 2.0)])
+def test_min_p_samples_stay_in_the_brute_force_set(min_p, temperature):
+    """vLLM's min-p: after the temperature, keep p_i >= min_p * max_j p_j."""
+    logits = (np.random.default_rng(7).standard_normal((1, 24)) * 2).astype(np.float32)
+    probs = np.exp(logits[0] / temperature - (logits[0] / temperature).max())
+    probs /= probs.sum()
+    allowed = set(np.flatnonzero(probs >= min_p * probs.max()).tolist())
+    n = 1024
+    tokens = np.asarray(sample(
+        jnp.asarray(np.repeat(logits, n, 0)), jnp.full(n, temperature, jnp.float32),
+        jnp.zeros(n, jnp.int32), jnp.ones(n), jnp.full(n, 3, jnp.uint32),
+        jnp.arange(n, dtype=jnp.int32), min_p=jnp.full(n, min_p, jnp.float32))[0])
+    seen = set(tokens.tolist())
+    assert seen <= allowed
+    assert len(allowed) < 24 and seen == allowed  # it filtered, and every kept token shows
+
+
+def test_logit_bias_and_min_p_validation():
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={3: 101})
+    sp = SamplingParams(logit_bias={3: 100, 4: -100, 5: 2.5, 6: 0})
+    assert sp.additive_bias == ((5, 2.5),)  # +-100 are the mask; 0 changes nothing
+    bits = np.unpackbits(sp.token_mask(8).view(np.uint8), bitorder="little")[:8]
+    assert bits.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]

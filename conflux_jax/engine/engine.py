@@ -252,7 +252,8 @@ class Engine:
         now = time.perf_counter() if arrival_s is None else arrival_s
         spec = SamplingSpec(sampling.temperature, sampling.top_k, sampling.top_p, seed % 2**32,
                             sampling.presence_penalty, sampling.frequency_penalty,
-                            sampling.repetition_penalty)
+                            sampling.repetition_penalty, sampling.min_p,
+                            sampling.additive_bias)
         for name, token_ids in (("logit_bias", list(sampling.logit_bias or ())),
                                 ("allowed_token_ids", list(sampling.allowed_token_ids or ()))):
             if any(not 0 <= t < vocab for t in token_ids):

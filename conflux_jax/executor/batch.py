@@ -37,6 +37,7 @@ class BatchLayout:
     vocab: int = 0  # V: history padding (dropped by the penalties' scatter)
     mask_words: int = 1  # W
     history_len: int = 1  # H
+    bias_width: int = 1  # B
 
 
 @jax.tree_util.register_dataclass
@@ -44,15 +45,16 @@ class BatchLayout:
 class SampleRows:
     """Per rank: which buffer rows are sampled, and how.
 
-    ``bitmask`` and ``history`` are large and unused by most steps: a step with no
-    constrained (penalized) row sends the executor's device-resident padding for them,
-    so it pays no transfer (see ``StepBatch.padding``).
+    ``bitmask``, ``history`` and the bias rows are large and unused by most steps: a step
+    with no constrained (penalized, biased) row sends the executor's device-resident
+    padding for them, so it pays no transfer (see ``StepBatch.padding``).
     """
 
     index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
     temperature: jax.Array  # f32[N, R]
     top_k: jax.Array  # i32[N, R]
     top_p: jax.Array  # f32[N, R]
+    min_p: jax.Array  # f32[N, R]  (0 = off)
     seed: jax.Array  # u32[N, R]
     step: jax.Array  # i32[N, R]  output index being sampled (per-request key)
     presence: jax.Array  # f32[N, R]  presence penalty (0 = off)
@@ -61,6 +63,8 @@ class SampleRows:
     num_prompt: jax.Array  # i32[N, R]  prompt tokens at the head of ``history``
     bitmask: jax.Array  # i32[N, R, W] allowed tokens, packed; all ones = unconstrained
     history: jax.Array  # i32[N, R, H] prompt then output ids of penalized rows; pad V
+    bias_ids: jax.Array  # i32[N, R, B] logit_bias tokens; pad V (dropped)
+    bias: jax.Array  # f32[N, R, B] their additive bias
 
 
 @jax.tree_util.register_dataclass
@@ -126,26 +130,36 @@ class StepBatch:
     def padding_history(rows: int, layout: BatchLayout) -> np.ndarray:  # i32[N, R, H]
         return np.full((layout.num_ranks, rows, layout.history_len), layout.vocab, np.int32)
 
+    @staticmethod
+    def padding_bias(rows: int, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[N, R, B] ids, f32[N, R, B] values): no token biased."""
+        shape = (layout.num_ranks, rows, layout.bias_width)
+        return np.full(shape, layout.vocab, np.int32), np.zeros(shape, np.float32)
+
     @classmethod
     def padding(cls, shape: StepShape, layout: BatchLayout, bitmask: Any = None,
-                history: Any = None) -> StepBatch:
+                history: Any = None, bias: tuple[Any, Any] | None = None) -> StepBatch:
         """Host (numpy) buffers for one step shape, every slot holding its padding value.
 
-        ``bitmask`` / ``history``, when given, are used as they are (the executor passes
-        its device-resident padding when no row needs them); otherwise fresh numpy ones.
+        ``bitmask`` / ``history`` / ``bias`` (ids, values), when given, are used as they
+        are (the executor passes its device-resident padding when no row needs them);
+        otherwise fresh numpy ones.
         """
         n, t, p, d = layout.num_ranks, shape.tokens, shape.prefill, shape.decode
         s = layout.max_prefill_seqs if p else 1
         r, x = cls.sample_rows(shape, layout), shape.transfer
         i32 = np.int32
+        bias_ids, bias_values = cls.padding_bias(r, layout) if bias is None else bias
         sample = SampleRows(
             index=np.zeros((n, r), i32), temperature=np.zeros((n, r), np.float32),
             top_k=np.zeros((n, r), i32), top_p=np.ones((n, r), np.float32),
-            seed=np.zeros((n, r), np.uint32), step=np.zeros((n, r), i32),
+            min_p=np.zeros((n, r), np.float32), seed=np.zeros((n, r), np.uint32),
+            step=np.zeros((n, r), i32),
             presence=np.zeros((n, r), np.float32), frequency=np.zeros((n, r), np.float32),
             repetition=np.ones((n, r), np.float32), num_prompt=np.zeros((n, r), i32),
             bitmask=cls.padding_bitmask(r, layout) if bitmask is None else bitmask,
-            history=cls.padding_history(r, layout) if history is None else history)
+            history=cls.padding_history(r, layout) if history is None else history,
+            bias_ids=bias_ids, bias=bias_values)
         rank = RankInputs(
             tokens=np.zeros((n, t), i32), positions=np.zeros((n, t), i32),
             decode_index=np.full((n, d), t, i32), decode_slot=np.full((n, d), -1, i32),

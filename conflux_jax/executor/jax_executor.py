@@ -63,7 +63,7 @@ from conflux_jax.plan import (
     SamplingSpec,
     StepResult,
 )
-from conflux_jax.sampling import mask_words
+from conflux_jax.sampling import MAX_LOGIT_BIAS, mask_words
 from pallas_kernels._common import resolve_impl
 from pallas_kernels.cpu_attention import paged_decode_available
 from pallas_kernels.cpu_gemm import blas_available
@@ -244,7 +244,7 @@ class JaxExecutor:
             return BatchLayout(n, self.buckets.max_prefill_seqs, prefill_pages_per_seq,
                                num_pages, vocab=config.vocab_size,
                                mask_words=mask_words(config.vocab_size),
-                               history_len=ec.max_model_len)
+                               history_len=ec.max_model_len, bias_width=MAX_LOGIT_BIAS)
 
         # A route still to be measured is planned as XLA's dot, whose temporaries (a
         # layer's weights per layer) are the larger: the pool fits either way.
@@ -262,9 +262,9 @@ class JaxExecutor:
         self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
         self._step = build_step(self.step_config, self.mesh, self._param_specs)
         self.layout = layout(num_pages)
-        # Device-resident mask / history padding per row count R: a step with no
-        # constrained or penalized row sends these instead of fresh host buffers.
-        self._idle_rows: dict[int, tuple[jax.Array, jax.Array]] = {}
+        # Device-resident mask / history / bias padding per row count R: a step with no
+        # constrained, penalized or biased row sends these instead of fresh host buffers.
+        self._idle_rows: dict[int, tuple[Any, Any, Any]] = {}
         self._compiled: dict[StepShape, Any] = {}
         if measure_linears:
             self._choose_linears()
@@ -556,7 +556,8 @@ class JaxExecutor:
                 log.info("process 0 stopped the instance after %d steps", steps)
                 return steps
             assert msg.shape is not None
-            host = unpack(msg.payload, self._padding(msg.shape, msg.masked, msg.penalized))
+            host = unpack(msg.payload, self._padding(msg.shape, msg.masked, msg.penalized,
+                                                       msg.biased))
             try:
                 self._run(msg.shape, host)
             except Exception as exc:
@@ -616,7 +617,9 @@ class JaxExecutor:
             decode_pages_max=max((len(s.pages) for s in plan.decode), default=1),
             transfer_max=max(groups_moved, load_groups))
         p = shape.prefill
-        batch = self._padding(shape, bool(plan.token_masks), bool(plan.histories))
+        biased = any(p.completes and p.sampling.logit_bias for p in plan.prefill) or \
+            any(d.sampling.logit_bias for d in plan.decode)
+        batch = self._padding(shape, bool(plan.token_masks), bool(plan.histories), biased)
         a, meta, rows_in = batch.rank, batch.shared, batch.rank.sample
         rows: dict[int, tuple[int, int]] = {}
         n_sample = [0] * n
@@ -630,6 +633,7 @@ class JaxExecutor:
             rows_in.temperature[rank, row] = spec.temperature
             rows_in.top_k[rank, row] = spec.top_k
             rows_in.top_p[rank, row] = spec.top_p
+            rows_in.min_p[rank, row] = spec.min_p
             rows_in.seed[rank, row] = spec.seed
             rows_in.step[rank, row] = step
             rows[req] = (rank, row)
@@ -637,6 +641,10 @@ class JaxExecutor:
                 rows_in.bitmask[rank, row] = mask
             if histories and (hist := histories.get(req)) is not None:
                 self._fill_penalties(rows_in, rank, row, spec, hist)
+            if spec.logit_bias:
+                ids, values = zip(*spec.logit_bias, strict=True)
+                rows_in.bias_ids[rank, row, :len(ids)] = ids
+                rows_in.bias[rank, row, :len(ids)] = values
 
         # Prefill: rank-local slots [0, n_p^r) in plan order; kernel order is plan order
         # with each chunk contiguous, which is what the attention kernel needs.
@@ -706,20 +714,23 @@ class JaxExecutor:
         a.num_decode[:] = dcount
         return shape, batch, rows
 
-    def _padding(self, shape: StepShape, masked: bool, penalized: bool) -> StepBatch:
-        """The step's host batch; mask and history buffers only when some row uses them
-        (``masked``, ``penalized``), else the device-resident padding."""
+    def _padding(self, shape: StepShape, masked: bool, penalized: bool,
+                 biased: bool = False) -> StepBatch:
+        """The step's host batch; mask, history and bias buffers only when some row uses
+        them (``masked``, ``penalized``, ``biased``), else the device-resident padding."""
         layout = self.layout
         r = StepBatch.sample_rows(shape, layout)
         idle = self._idle_rows.get(r)
         if idle is None:
             spec = self._shardings.rank.sample
             idle = (self._put(StepBatch.padding_bitmask(r, layout), spec.bitmask),
-                    self._put(StepBatch.padding_history(r, layout), spec.history))
+                    self._put(StepBatch.padding_history(r, layout), spec.history),
+                    self._put(StepBatch.padding_bias(r, layout), (spec.bias_ids, spec.bias)))
             self._idle_rows[r] = idle
         return StepBatch.padding(shape, layout,
                                  bitmask=None if masked else idle[0],
-                                 history=None if penalized else idle[1])
+                                 history=None if penalized else idle[1],
+                                 bias=None if biased else idle[2])
 
     def _fill_penalties(self, rows_in: Any, rank: int, row: int, spec: SamplingSpec,
                         hist: tuple[Any, Any]) -> None:

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 2
 _MAGIC = 0x436F6E66  # "Conf": a message from another program is refused, not misread
-_HEADER = 10  # magic, kind, seq, 5 shape fields, masked, penalized
+_HEADER = 11  # magic, kind, seq, 5 shape fields, masked, penalized, biased
 _DIR = "conflux/step"
 _PREFIX = _DIR + "/"
 _PRUNE_EVERY = 32  # steps between deletions of the messages already run (0.3 ms each)
@@ -53,11 +53,13 @@ class StepMessage:
     shape: StepShape | None = None
     masked: bool = False  # the batch carries its own token masks (else device padding)
     penalized: bool = False  # ... its own penalty histories
+    biased: bool = False  # ... its own logit bias rows
     payload: bytes = b""  # the numpy leaves of the host batch, in tree order
 
 
 def _has_own(leaf: Any) -> bool:
-    """Host batches leave unused mask / history buffers as device-resident padding."""
+    """Host batches leave unused mask / history / bias buffers as device-resident
+    padding."""
     return isinstance(leaf, np.ndarray)
 
 
@@ -65,7 +67,8 @@ def encode(seq: int, shape: StepShape, batch: StepBatch) -> bytes:
     """One step's message: header, then every numpy leaf's bytes (all 4-byte dtypes)."""
     sample = batch.rank.sample
     header = np.array([_MAGIC, STEP, seq, *dataclasses.astuple(shape),
-                       _has_own(sample.bitmask), _has_own(sample.history)], np.int32)
+                       _has_own(sample.bitmask), _has_own(sample.history),
+                       _has_own(sample.bias)], np.int32)
     leaves = [np.ascontiguousarray(a) for a in jax.tree.leaves(batch) if _has_own(a)]
     return b"".join([header.tobytes(), *(a.tobytes() for a in leaves)])
 
@@ -81,7 +84,8 @@ def decode(data: bytes) -> StepMessage:
     if header[1] == STOP:
         return StepMessage(STOP, int(header[2]))
     return StepMessage(STEP, int(header[2]), StepShape(*(int(x) for x in header[3:8])),
-                       bool(header[8]), bool(header[9]), data[_HEADER * 4:])
+                       bool(header[8]), bool(header[9]), bool(header[10]),
+                       data[_HEADER * 4:])
 
 
 def unpack(payload: bytes, template: StepBatch) -> StepBatch:

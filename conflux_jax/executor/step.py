@@ -164,10 +164,10 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     rows = b.sample
     logits = model.logits(x[rows.index])  # f32[R, V]
     adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,
-                              rows.frequency, rows.repetition)
+                              rows.frequency, rows.repetition, rows.bias_ids, rows.bias)
     tokens, logprobs, top_ids, top_lps = sample(
         logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
-        cfg.num_top_logprobs, adjust)
+        cfg.num_top_logprobs, adjust, rows.min_p)
     sampled = SampledRows(tokens, logprobs, top_ids, top_lps,
                           logits if cfg.return_logits else None)
     return StepOutputs(k_pool[None], v_pool[None], jax.tree.map(lambda a: a[None], sampled))

@@ -29,7 +29,11 @@ admitted. Its first chunk loads the cached KV's head shards from the owner into 
 prefill pages of every rank (Ulysses attention reads them like its own earlier chunks);
 its decode home is the owner when the owner has room (the cached pages then stay where
 they are and only the new KV moves), otherwise the placement rule's rank. Pages are
-named in the cache at ``commit``, once their KV is written.
+named in the cache at ``commit``, once their KV is written. A waiting request whose next
+uncached pages another request is prefilling right now (the ``n`` choices of one prompt,
+or any two prompts sharing a long head) waits for that prefill to name them, when they
+are at least half of what it has left to prefill: it then prefills only its own tail,
+and decodes on the same pages.
 
 ``abort``/``finish`` between ``schedule`` and ``commit`` take effect at ``commit`` so an
 executor never reads freed pages.
@@ -93,6 +97,8 @@ class Scheduler:
         self._tau = config.tbt_slo_s  # this iteration's TBT bound (per-request SLOs)
         self._penalized: set[int] = set()  # requests whose tokens go into plan.histories
         self._caching = config.enable_prefix_caching
+        # Page hash -> the request whose running prefill will name it in the cache.
+        self._prefilling: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were served from it
 
@@ -148,6 +154,7 @@ class Scheduler:
         if st is None:
             return
         self._penalized.discard(request_id)
+        self._unclaim(st)
         if request_id in self.blocks:
             self.blocks.free(request_id)
         if st.phase == "decode":
@@ -247,6 +254,7 @@ class Scheduler:
                 bm.release_prefill(rid)
                 if self._caching and result is not None:  # only KV that was written
                     bm.register(rid, self._hashes(st, st.prefilled))
+                self._unclaim(st)
                 del self._pending[rid]
                 st.phase = "decode"
                 st.rank = rank
@@ -324,6 +332,7 @@ class Scheduler:
         return best
 
     def _preempt(self, st: RequestState, preempted: list[int]) -> None:
+        self._unclaim(st)
         self.blocks.free(st.id)
         if st.phase == "decode":
             del self._decodes[st.id]
@@ -441,6 +450,8 @@ class Scheduler:
         if not started:
             bm.allocate_prefill(st.id, st.target)
             st.phase = "prefill"
+            if self._caching:
+                self._claim_pages(st)
         if completes:
             bm.transition(st.id, rank, st.target + 1, keep_prefill=True)
             tent_ctx[rank] += st.target + 1
@@ -490,6 +501,32 @@ class Scheduler:
         rank, pages = bm.longest_hit(hashes[:named])
         st.cache_rank, st.cache_pages = rank, tuple(pages)
         st.cached = st.prefilled = len(pages) * bm.page_size
+
+    def _claim_pages(self, st: RequestState) -> None:
+        """Index the full pages ``st``'s starting prefill will name (past its hit)."""
+        for h in self._hashes(st, st.target)[len(st.cache_pages):]:
+            self._prefilling.setdefault(h, st.id)
+
+    def _unclaim(self, st: RequestState) -> None:
+        if not self._prefilling:
+            return
+        for h in st.page_hashes:
+            if self._prefilling.get(h) == st.id:
+                del self._prefilling[h]
+
+    def _waits_for_prefix(self, st: RequestState) -> bool:
+        """Should waiting ``st`` let another request's running prefill compute its next
+        pages first? Yes when they are at least half of its uncached tokens."""
+        if not self._prefilling or st.phase != "waiting" or st.req.cached_prefix:
+            return False
+        hashes, k = st.page_hashes, len(st.cache_pages)
+        owner = self._prefilling.get(hashes[k]) if k < len(hashes) else None
+        if owner is None or owner == st.id:
+            return False
+        shared = 1
+        while k + shared < len(hashes) and self._prefilling.get(hashes[k + shared]) == owner:
+            shared += 1
+        return 2 * shared * self.blocks.page_size >= st.remaining
 
     def _claim(self, st: RequestState, length: int, tent: _Tentative) -> tuple[int, bool, int]:
         """Reserve KV for a ``length``-token chunk of ``st``; returns (length, completes, rank).
@@ -564,7 +601,7 @@ class Scheduler:
         for i, st in enumerate(cands):  # Alg. 1 line 5
             if max_pieces is not None and len(pieces) >= max_pieces:
                 break
-            if st.id in preempted:
+            if st.id in preempted or self._waits_for_prefix(st):
                 continue
             rem = st.remaining
             load = self._load(st)
@@ -625,7 +662,7 @@ class Scheduler:
         for i, st in enumerate(cands):
             if budget <= 0 or (max_pieces is not None and len(pieces) >= max_pieces):
                 break
-            if st.id in preempted:
+            if st.id in preempted or self._waits_for_prefix(st):
                 continue
             rem = st.remaining
             length, completes, rank = self._claim(st, min(rem, budget), tent)

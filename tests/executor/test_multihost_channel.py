@@ -31,24 +31,30 @@ def planned():
 @pytest.mark.parametrize("own_rows", [False, True])
 def test_a_follower_rebuilds_the_leaders_batch(planned, own_rows):
     ex, plan = planned
-    if own_rows:  # rows with their own token masks and penalty histories travel too
-        rid = plan.prefill[0].request_id
+    if own_rows:  # rows with their own token masks, histories and bias travel too
+        first = plan.prefill[0]
+        rid = first.request_id
         words = ex.layout.mask_words
+        biased = dataclasses.replace(first, sampling=dataclasses.replace(
+            first.sampling, logit_bias=((3, 2.5), (9, -1.0))))
         plan = dataclasses.replace(
             plan, token_masks={rid: np.arange(words, dtype=np.int32)},
-            histories={rid: ([5, 6, 7], [8])})
+            histories={rid: ([5, 6, 7], [8])}, prefill=(biased, *plan.prefill[1:]))
     shape, host, _ = ex.build_batch(plan)
     msg = multihost.decode(multihost.encode(41, shape, host))
     assert (msg.kind, msg.seq, msg.shape) == (multihost.STEP, 41, shape)
-    assert (msg.masked, msg.penalized) == (own_rows, own_rows)
-    rebuilt = multihost.unpack(msg.payload, ex._padding(shape, msg.masked, msg.penalized))
+    assert (msg.masked, msg.penalized, msg.biased) == (own_rows,) * 3
+    rebuilt = multihost.unpack(msg.payload,
+                               ex._padding(shape, msg.masked, msg.penalized, msg.biased))
     for mine, theirs in zip(jax.tree.leaves(host), jax.tree.leaves(rebuilt), strict=True):
         if isinstance(mine, np.ndarray):
             assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine)
         else:  # device-resident padding: the follower's own, of the same value
             assert np.array_equal(np.asarray(theirs), np.asarray(mine))
     if own_rows:
-        assert isinstance(rebuilt.rank.sample.bitmask, np.ndarray)
+        sample = rebuilt.rank.sample
+        assert isinstance(sample.bitmask, np.ndarray)
+        assert (2.5, -1.0) in {tuple(v[v != 0]) for v in sample.bias.reshape(-1, 1024)}
 
 
 def test_stop_and_foreign_or_truncated_messages(planned):
@@ -58,7 +64,7 @@ def test_stop_and_foreign_or_truncated_messages(planned):
         multihost.decode(b"\0" * 64)
     shape, host, _ = ex.build_batch(plan)
     msg = multihost.decode(multihost.encode(0, shape, host))
-    template = ex._padding(shape, msg.masked, msg.penalized)
+    template = ex._padding(shape, msg.masked, msg.penalized, msg.biased)
     with pytest.raises(ValueError, match="shorter"):
         multihost.unpack(msg.payload[:-4], template)
     with pytest.raises(ValueError, match="past its batch"):

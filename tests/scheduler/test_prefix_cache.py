@@ -3,6 +3,7 @@ of both over random shared-prefix workloads (simulated executor)."""
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
@@ -195,3 +196,50 @@ def test_lost_kv_forgets_the_cache():
     assert sum(bm.cached_pages(r) for r in range(2)) == 0
     plan = sched.schedule(ex.now())
     assert plan.prefill[0].start == 0 and not plan.prefill[0].load_pages
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_choices_of_one_prompt_wait_for_its_prefill_then_share_its_pages(caching):
+    """n choices of one prompt (n requests with the same tokens) prefill it once: the
+    others wait for its pages to be named, then prefill only the last page's tokens on
+    the owner's pages. Without caching every choice prefills the whole prompt at once."""
+    model = roofline_model("qwen3-14b", "h100", sp=2, tp=2)
+    bm = BlockManager(2, 64, PS)
+    sched = Scheduler(SchedulerConfig(tbt_slo_s=1.0, ttft_slo_s=10.0, quantum=4,
+                                      enable_prefix_caching=caching), model, bm)
+    ex = SimExecutor(model, KVSpec(2, 64, PS))
+    prompt = tuple(range(3, 30))  # 27 tokens: 6 full pages
+    for rid in range(4):
+        sched.add(Request(rid, 0.0, len(prompt), 2, prompt_token_ids=prompt))
+    plan = sched.schedule(ex.now())
+    if not caching:
+        assert sorted(p.request_id for p in plan.prefill) == [0, 1, 2, 3]
+        assert all(p.start == 0 for p in plan.prefill)
+        return
+    (first,) = plan.prefill
+    assert first.completes and first.start == 0
+    sched.commit(plan, ex.execute(plan))
+    plan = sched.schedule(ex.now())
+    choices = [p for p in plan.prefill]
+    assert sorted(p.request_id for p in choices) == sorted({0, 1, 2, 3} - {first.request_id})
+    for p in choices:
+        assert (p.start, p.length) == (24, 3) and p.completes
+        assert p.load_rank == first.decode_rank == p.decode_rank  # the owner's pages
+    sched.commit(plan, ex.execute(plan))
+    assert sched.prefix_hits == 3 * 24
+    while sched.has_work:
+        plan = sched.schedule(ex.now())
+        sched.commit(plan, ex.execute(plan))
+    bm.check_consistency()
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(2))
+
+
+def test_a_short_shared_head_does_not_hold_a_prompt_back():
+    """Two prompts sharing one page of 11: waiting would save too little, so both start."""
+    sched, _, ex = _two_ranks()
+    head = tuple(range(3, 7))
+    for rid in range(2):
+        tail = tuple(range(40 + 10 * rid, 47 + 10 * rid))
+        sched.add(Request(rid, 0.0, 11, 2, prompt_token_ids=head + tail))
+    plan = sched.schedule(ex.now())
+    assert sorted(p.request_id for p in plan.prefill) == [0, 1]

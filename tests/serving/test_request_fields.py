@@ -181,7 +181,7 @@ COMPLETIONS: dict[str, Any] = {
 }
 VLLM: dict[str, Any] = {
     "top_k": (1, "greedy_t1"),
-    "min_p": (0.1, None),
+    "min_p": (1.0, "greedy_t1"),  # only the likeliest token is left: greedy
     "repetition_penalty": (1.5, _ok),  # effect: test_structured_outputs
     "length_penalty": (2.0, None),
     "stop_token_ids": (None, "stop_ids"),
@@ -341,7 +341,7 @@ def test_every_openai_field_is_covered() -> None:
     ("chat/completions", {"messages": MSG, "stream_options": {"include_usage": True,
                                                               "x": 1}}, "stream_options"),
     ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-    ("completions", {"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("completions", {"prompt": "x", "logit_bias": {"a": 100}}, "logit_bias"),
 ])
 def test_unknown_and_unsupported_values_name_their_field(server: Any, route: str,
