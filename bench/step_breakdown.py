@@ -91,18 +91,20 @@ def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN4
     """Fastest of ``repeats`` runs of freshly built and compiled steps on ``host``, one per
     ``configs`` entry (``StepConfig`` fields to change), run in turn so that a slow spell
     of the machine falls on all of them."""
-    batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
-                                              StepBatch.specs()))
-    compiled = [step_module.build_step(dataclasses.replace(ex.step_config, **cfg), ex.mesh,
-                                       ex._param_specs).lower(*ex._abstract_args(shape))
-                .compile() for cfg in configs]
+    shardings = jax.tree.map(lambda s: NamedSharding(ex.mesh, s), StepBatch.specs())
+    batch = jax.device_put(host, shardings)
+    forwards = [step_module.build_step(dataclasses.replace(ex.step_config, **cfg), ex.mesh,
+                                       ex._param_specs).forward
+                .lower(*ex._abstract_args(shape)).compile() for cfg in configs]
+    ex.compile_shape(shape)  # the sampler of the shape's row count (no config changes it)
+    sampler = ex._samplers[StepBatch.sample_rows(shape, ex.layout)]
     best = [float("inf")] * len(configs)
     for i in range(repeats + 1):  # the first round is a warm-up
-        for j, fn in enumerate(compiled):
+        for j, forward in enumerate(forwards):
             start = time.perf_counter()
-            out = fn(ex.params, ex.k_pool, ex.v_pool, batch)
+            out = forward(ex.params, ex.k_pool, ex.v_pool, batch.rank, batch.shared)
             ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
-            out.sampled.tokens.block_until_ready()
+            sampler(out.logits, batch.sample).tokens.block_until_ready()
             if i:
                 best[j] = min(best[j], time.perf_counter() - start)
     return best

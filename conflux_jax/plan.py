@@ -46,7 +46,7 @@ Plan semantics
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -225,6 +225,11 @@ class ExecutorLost(RuntimeError):
     own requests), this fails the instance; the caller stops serving."""
 
 
+# Completes a plan with what only the caller knows (grammar masks: ``token_masks``),
+# called by the executor once the device is busy with the plan's forward.
+Preparer = Callable[[IterationPlan], IterationPlan]
+
+
 @runtime_checkable
 class Executor(Protocol):
     """Runs iteration plans on its own clock: the JAX executor on the wall clock, the
@@ -240,7 +245,8 @@ class Executor(Protocol):
         """The executor's clock (seconds): when the next plan would start."""
         ...
 
-    def execute(self, plan: IterationPlan) -> StepResult:
-        """Run ``plan``. Raises :class:`KVLost` when a failure cost the executor its KV,
-        :class:`ExecutorLost` when the executor cannot run any further plan."""
+    def execute(self, plan: IterationPlan, prepare: Preparer | None = None) -> StepResult:
+        """Run ``plan``, completed by ``prepare`` (when given) before it samples. Raises
+        :class:`KVLost` when a failure cost the executor its KV, :class:`ExecutorLost`
+        when the executor cannot run any further plan."""
         ...

@@ -130,26 +130,29 @@ def test_abort_frees_pages_and_bad_input_is_rejected():
         engine.add_request([99999], SamplingParams())
 
 
-@pytest.mark.parametrize("where", ["boundary", "compiled"])
+@pytest.mark.parametrize("where", ["boundary", "forward", "sampler"])
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, monkeypatch,
                                                                         caplog):
-    """A step fails once, at the executor boundary (before the device) or inside the
-    compiled call (after the KV pools were donated to it, which deletes them)."""
+    """A step fails once: at the executor boundary (before the device), inside the
+    compiled forward (after the KV pools were donated to it, which deletes them) or inside
+    the compiled sampler (the forward ran: its pools hold the KV)."""
     armed = {"on": False}
-    if where == "compiled":
+
+    def fail_if_armed(_):
+        if armed["on"]:
+            raise RuntimeError("injected device failure")
+
+    if where != "boundary":
         import conflux_jax.executor.step as step_mod
 
-        real_sample = step_mod.sample
+        name = "_write_stacked" if where == "forward" else "sample"
+        real = getattr(step_mod, name)
 
-        def fail_if_armed(_):
-            if armed["on"]:
-                raise RuntimeError("injected device failure")
+        def failing(array, *args, **kwargs):  # traced into the step: a host callback there
+            jax.debug.callback(fail_if_armed, array.reshape(-1)[0])
+            return real(array, *args, **kwargs)
 
-        def sample(logits, *args, **kwargs):  # traced into the step: a host callback there
-            jax.debug.callback(fail_if_armed, logits[0, 0])
-            return real_sample(logits, *args, **kwargs)
-
-        monkeypatch.setattr(step_mod, "sample", sample)
+        monkeypatch.setattr(step_mod, name, failing)
     engine = make_engine()
     real_run = engine.executor.execute
     calls = {"n": 0}
@@ -170,12 +173,14 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, m
     assert [o.finish_reason for o in outs if o.request_id == rid][-1] == "error"
     failure = next(r.exc_info[1] for r in caplog.records
                    if r.name == "conflux_jax.engine.engine" and r.exc_info)
-    if where == "compiled":
+    if where == "forward":
         assert isinstance(failure, KVLost) and "rebuilt empty" in str(failure)
         assert "injected device failure" in str(failure)
         assert not engine.executor.k_pool.is_deleted()  # a fresh pool serves what follows
-    else:
-        assert not isinstance(failure, KVLost)  # the pools were never handed over: kept
+    else:  # the pools were never handed over, or the forward that took them ran: kept
+        assert not isinstance(failure, KVLost)
+        if where == "sampler":
+            assert "injected device failure" in str(failure)
     ok = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0,
                                                       ignore_eos=True)])[0]
     assert ok.outputs[0].token_ids == solo_greedy([5, 6, 7], 4)

@@ -123,3 +123,44 @@ def test_penalized_biased_and_min_p_tokens_follow_the_numpy_oracle():
     # The penalties and the bias did act: those runs differ from the free one's path.
     free = outputs[ids[3]]
     assert all(outputs[ids[i]] != free for i in (0, 1, 2, 4, 5))
+
+
+def test_grammar_masks_are_filled_while_the_forward_runs():
+    """The executor dispatches the forward, then asks the engine for the step's masks, then
+    samples under them (vLLM's bitmask/forward overlap); a step with no constrained row
+    asks for nothing. The constrained output still parses."""
+    engine = make_engine()
+    ex, events = engine.executor, []
+
+    class Recording(dict):
+        def __init__(self, compiled, tag):
+            super().__init__(compiled)
+            self.tag = tag
+
+        def __getitem__(self, key):
+            run = super().__getitem__(key)
+
+            def recorded(*args):
+                events.append(self.tag)
+                return run(*args)
+            return recorded
+
+    ex.warmup(progress=False)
+    ex._compiled, ex._samplers = Recording(ex._compiled, "forward"), \
+        Recording(ex._samplers, "sample")
+    prepare = engine._prepare
+
+    def recorded_prepare(plan):
+        events.append("prepare")
+        return prepare(plan)
+
+    engine._prepare = recorded_prepare
+    so = StructuredOutputsParams(json=SCHEMA)
+    out = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=60, temperature=1.0,
+                                                       seed=3, structured_outputs=so)])[0]
+    jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    steps = [events[i:i + 3] for i in range(0, len(events), 3)]
+    assert len(steps) > 3 and all(s == ["forward", "prepare", "sample"] for s in steps)
+    events.clear()
+    engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert events == ["forward", "sample"] * 4

@@ -10,15 +10,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from conflux_jax.plan import Executor, ExecutorLost, IterationPlan, KVLost, StepResult
+from conflux_jax.plan import (
+    Executor,
+    ExecutorLost,
+    IterationPlan,
+    KVLost,
+    Preparer,
+    StepResult,
+)
 from conflux_jax.scheduler.request import Request
 from conflux_jax.scheduler.scheduler import Scheduler
 
 # Sees each executed plan's result before the scheduler commits it, so that requests the
 # caller ends (EOS, stop strings) are dropped in the same commit.
 Observer = Callable[[IterationPlan, StepResult], None]
-# Completes a plan before it runs with what only the caller knows (grammar masks).
-Preparer = Callable[[IterationPlan], IterationPlan]
 
 
 class StepFailed(RuntimeError):
@@ -79,9 +84,9 @@ class EngineCore:
             sched.commit(plan, None)
             return None
         try:
-            if prepare is not None:
-                plan = prepare(plan)
-            result = self.executor.execute(plan)
+            # The executor completes the plan (grammar masks) while its device runs it.
+            result = self.executor.execute(plan) if prepare is None else \
+                self.executor.execute(plan, prepare)
         except ExecutorLost:
             sched.commit(plan, None)
             raise

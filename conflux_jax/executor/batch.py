@@ -1,13 +1,17 @@
-"""The step's device boundary: one input PyTree and one output PyTree, fixed shapes.
+"""The step's device boundary: fixed-shape input and output PyTrees.
 
-Inputs are grouped by sharding: :class:`RankInputs` (a leading ``[N]`` axis sharded over
-``sp``: every rank's own tokens, KV slots and sampling rows) and :class:`SharedInputs`
-(replicated: after the all-to-all every rank holds every prefill token for its head shard,
-so the prefill attention metadata is the same everywhere). :meth:`StepBatch.padding` is
-the one constructor; the host fills its numpy arrays in place and sends the whole tree
-with one ``device_put``. Shapes use: N ranks, T token slots, P prefill slots, D decode
-slots, S prefill sequences, R = D + S sampling rows, Wd / Wp page-table widths (decode /
-prefill view), X transfer page groups, K top logprobs, V vocabulary.
+A step is two executables: the forward (``RankInputs`` + ``SharedInputs`` -> updated KV
+pools and the sampling rows' logits) and the sampler (logits + ``SampleRows`` -> tokens),
+so the host can fill the sampler's token masks while the device runs the forward.
+Inputs are grouped by sharding: :class:`RankInputs` and :class:`SampleRows` (a leading
+``[N]`` axis sharded over ``sp``: every rank's own tokens, KV slots and sampling rows) and
+:class:`SharedInputs` (replicated: after the all-to-all every rank holds every prefill
+token for its head shard, so the prefill attention metadata is the same everywhere).
+:meth:`StepBatch.padding` is the one constructor; the host fills its numpy arrays in
+place and sends each executable's part with one ``device_put``. Shapes use: N ranks, T
+token slots, P prefill slots, D decode slots, S prefill sequences, R = D + S sampling
+rows, Wd / Wp page-table widths (decode / prefill view), X transfer page groups, K top
+logprobs, V vocabulary.
 
 Padding conventions: KV slots ``-1`` never write; buffer indices ``T`` are dropped on
 scatter; transfer destination page ids ``num_pages`` are dropped.
@@ -43,14 +47,14 @@ class BatchLayout:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleRows:
-    """Per rank: which buffer rows are sampled, and how.
+    """Per rank: how each sampling row is sampled (which buffer row it is:
+    ``RankInputs.sample_index``).
 
     ``bitmask``, ``history`` and the bias rows are large and unused by most steps: a step
     with no constrained (penalized, biased) row sends the executor's device-resident
     padding for them, so it pays no transfer (see ``StepBatch.padding``).
     """
 
-    index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
     temperature: jax.Array  # f32[N, R]
     top_k: jax.Array  # i32[N, R]
     top_p: jax.Array  # f32[N, R]
@@ -92,7 +96,7 @@ class RankInputs:
     load_src: jax.Array  # i32[N, X*N]   cached decode pages here to send (pad: any page)
     load_dst: jax.Array  # i32[N, N*X*N] per received page (source s, index j at s*X*N+j):
     #                                     prefill sub-page here = page*N + offset (pad: -1)
-    sample: SampleRows
+    sample_index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
 
 
 @jax.tree_util.register_dataclass
@@ -112,10 +116,12 @@ class SharedInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """Everything one step reads besides the weights and the KV pools."""
+    """Everything one step reads besides the weights and the KV pools: the forward's
+    ``rank`` and ``shared`` inputs, the sampler's ``sample`` rows."""
 
     rank: RankInputs
     shared: SharedInputs
+    sample: SampleRows
 
     @staticmethod
     def sample_rows(shape: StepShape, layout: BatchLayout) -> int:
@@ -137,6 +143,25 @@ class StepBatch:
         return np.full(shape, layout.vocab, np.int32), np.zeros(shape, np.float32)
 
     @classmethod
+    def padding_sample(cls, rows: int, layout: BatchLayout, bitmask: Any = None,
+                       history: Any = None, bias: tuple[Any, Any] | None = None
+                       ) -> SampleRows:
+        """The sampler's rows for ``rows`` (R) rows per rank, each unconstrained; the large
+        buffers as given (see ``padding``) or fresh."""
+        n, r, i32 = layout.num_ranks, rows, np.int32
+        bias_ids, bias_values = cls.padding_bias(r, layout) if bias is None else bias
+        return SampleRows(
+            temperature=np.zeros((n, r), np.float32),
+            top_k=np.zeros((n, r), i32), top_p=np.ones((n, r), np.float32),
+            min_p=np.zeros((n, r), np.float32), seed=np.zeros((n, r), np.uint32),
+            step=np.zeros((n, r), i32),
+            presence=np.zeros((n, r), np.float32), frequency=np.zeros((n, r), np.float32),
+            repetition=np.ones((n, r), np.float32), num_prompt=np.zeros((n, r), i32),
+            bitmask=cls.padding_bitmask(r, layout) if bitmask is None else bitmask,
+            history=cls.padding_history(r, layout) if history is None else history,
+            bias_ids=bias_ids, bias=bias_values)
+
+    @classmethod
     def padding(cls, shape: StepShape, layout: BatchLayout, bitmask: Any = None,
                 history: Any = None, bias: tuple[Any, Any] | None = None) -> StepBatch:
         """Host (numpy) buffers for one step shape, every slot holding its padding value.
@@ -149,17 +174,7 @@ class StepBatch:
         s = layout.max_prefill_seqs if p else 1
         r, x = cls.sample_rows(shape, layout), shape.transfer
         i32 = np.int32
-        bias_ids, bias_values = cls.padding_bias(r, layout) if bias is None else bias
-        sample = SampleRows(
-            index=np.zeros((n, r), i32), temperature=np.zeros((n, r), np.float32),
-            top_k=np.zeros((n, r), i32), top_p=np.ones((n, r), np.float32),
-            min_p=np.zeros((n, r), np.float32), seed=np.zeros((n, r), np.uint32),
-            step=np.zeros((n, r), i32),
-            presence=np.zeros((n, r), np.float32), frequency=np.zeros((n, r), np.float32),
-            repetition=np.ones((n, r), np.float32), num_prompt=np.zeros((n, r), i32),
-            bitmask=cls.padding_bitmask(r, layout) if bitmask is None else bitmask,
-            history=cls.padding_history(r, layout) if history is None else history,
-            bias_ids=bias_ids, bias=bias_values)
+        sample = cls.padding_sample(r, layout, bitmask, history, bias)
         rank = RankInputs(
             tokens=np.zeros((n, t), i32), positions=np.zeros((n, t), i32),
             decode_index=np.full((n, d), t, i32), decode_slot=np.full((n, d), -1, i32),
@@ -170,42 +185,40 @@ class StepBatch:
             transfer_src=np.zeros((n, x), i32),
             transfer_dst=np.full((n, x * n), layout.num_pages, i32),
             load_src=np.zeros((n, x * n), i32), load_dst=np.full((n, n * x * n), -1, i32),
-            sample=sample)
+            sample_index=np.zeros((n, r), i32))
         shared = SharedInputs(
             perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
             cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),
             num_seqs=np.zeros((1,), i32), transfer_start=np.zeros((n,), i32),
             transfer_count=np.zeros((n,), i32))
-        return cls(rank, shared)
+        return cls(rank, shared, sample)
 
     @staticmethod
     def specs() -> StepBatch:
         """The sharding of every field: per-rank arrays over ``sp``, the rest replicated."""
         per_rank, replicated = P(SP), P()
         return StepBatch(
-            rank=RankInputs(**{f.name: per_rank for f in dataclasses.fields(RankInputs)
-                               if f.name != "sample"},
-                            sample=SampleRows(*[per_rank] * len(dataclasses.fields(SampleRows)))),
-            shared=SharedInputs(*[replicated] * len(dataclasses.fields(SharedInputs))))
+            rank=RankInputs(*[per_rank] * len(dataclasses.fields(RankInputs))),
+            shared=SharedInputs(*[replicated] * len(dataclasses.fields(SharedInputs))),
+            sample=SampleRows(*[per_rank] * len(dataclasses.fields(SampleRows))))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampledRows:
-    """What the step sampled, per rank and sampling row."""
+    """What the sampler drew, per rank and sampling row."""
 
     tokens: jax.Array  # i32[N, R]
     logprobs: jax.Array  # f32[N, R]
     top_ids: jax.Array  # i32[N, R, K]
     top_logprobs: jax.Array  # f32[N, R, K]
-    logits: jax.Array | None = None  # f32[N, R, V] (tests: ``return_logits``)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StepOutputs:
-    """The step's result: the updated (donated) KV pools and the sampled rows."""
+class ForwardOutputs:
+    """The forward's result: the updated (donated) KV pools and the sampling rows' logits."""
 
     k_pool: jax.Array  # f[N, L, pages, page_size, Hkv, d]
     v_pool: jax.Array  # f[N, L, pages, page_size, Hkv, d]
-    sampled: SampledRows
+    logits: jax.Array  # f32[N, R, V]

@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from conflux_jax.config import ModelConfig
 from conflux_jax.executor import linears_choice
-from conflux_jax.executor.batch import BatchLayout, StepBatch
+from conflux_jax.executor.batch import BatchLayout, SampleRows, StepBatch
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner, StepShape
 from conflux_jax.executor.compile_cache import enable_compilation_cache
 from conflux_jax.executor.compile_guard import CompileGuard, RecompilationError
@@ -39,7 +40,7 @@ from conflux_jax.executor.device import (
     resolve_dtype,
 )
 from conflux_jax.executor.head_padding import pad_heads
-from conflux_jax.executor.mesh import MeshSpec, make_mesh
+from conflux_jax.executor.mesh import SP, MeshSpec, make_mesh
 from conflux_jax.executor.multihost import STOP, StepChannel, put_global, unpack
 from conflux_jax.executor.step import (
     DECODE_ATTENTION,
@@ -59,6 +60,7 @@ from conflux_jax.plan import (
     KVLost,
     KVSpec,
     PrefillPiece,
+    Preparer,
     SampledToken,
     SamplingSpec,
     StepResult,
@@ -236,8 +238,8 @@ class JaxExecutor:
             return StepConfig(
                 model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
                 num_pages=num_pages, num_top_logprobs=ec.num_top_logprobs,
-                attention_impl=ec.attention_impl, return_logits=ec.return_logits,
-                linears=self.linears, decode_attention=self.decode_attention,
+                attention_impl=ec.attention_impl, linears=self.linears,
+                decode_attention=self.decode_attention,
                 replicate_samples=self.process_count > 1)
 
         def layout(num_pages: int) -> BatchLayout:
@@ -265,7 +267,8 @@ class JaxExecutor:
         # Device-resident mask / history / bias padding per row count R: a step with no
         # constrained, penalized or biased row sends these instead of fresh host buffers.
         self._idle_rows: dict[int, tuple[Any, Any, Any]] = {}
-        self._compiled: dict[StepShape, Any] = {}
+        self._compiled: dict[StepShape, Any] = {}  # the forward per step shape
+        self._samplers: dict[int, Any] = {}  # the sampler per sampling-row count R
         if measure_linears:
             self._choose_linears()
         self.guard = CompileGuard()
@@ -333,12 +336,18 @@ class JaxExecutor:
         probe = build_step(step_config(probe_pages), self.mesh, self._param_specs)
         pool = jax.ShapeDtypeStruct(kv_pool_shape(step_config(probe_pages)), self.dtype,
                                     sharding=NamedSharding(self.mesh, KV_POOL_SPEC))
-        mem = probe.lower(*self._abstract_args(largest, layout(probe_pages), pool)
-                          ).compile().memory_analysis()
+        mem = probe.forward.lower(*self._abstract_args(largest, layout(probe_pages), pool)
+                                  ).compile().memory_analysis()
         probe_pool = probe_pages * page_bytes  # K and V on this device
         inputs = max(0, mem.argument_size_in_bytes - weights - probe_pool)
         outputs = max(0, mem.output_size_in_bytes - mem.alias_size_in_bytes)
-        activations = mem.temp_size_in_bytes + inputs + outputs
+        # The sampler runs while the forward's logits (counted in its outputs) are held.
+        rows = StepBatch.sample_rows(largest, layout(probe_pages))
+        sampler = probe.sample.lower(*self._abstract_sample_args(rows, layout(probe_pages))
+                                     ).compile().memory_analysis()
+        activations = (mem.temp_size_in_bytes + inputs + outputs
+                       + sampler.temp_size_in_bytes + sampler.argument_size_in_bytes
+                       + sampler.output_size_in_bytes)
         pages = (budget - weights - activations) // page_bytes
         need = -(-ec.max_model_len // ec.page_size) + self.planner.transfer_groups
         if pages < need:
@@ -420,18 +429,19 @@ class JaxExecutor:
         shared host hits both; and each route's compiled steps."""
         compiled = {lin: {s: build_step(dataclasses.replace(self.step_config, linears=lin),
                                         self.mesh, self._param_specs)
-                          .lower(*self._abstract_args(s)).compile() for s in shapes}
+                          .forward.lower(*self._abstract_args(s)).compile() for s in shapes}
                     for lin in LINEARS}
-        batches = {s: self._put(StepBatch.padding(s, self.layout), self._shardings)
-                   for s in shapes}
+        batches = {s: self._put(self._forward_part(StepBatch.padding(s, self.layout)),
+                                self._forward_shardings) for s in shapes}
         runs: dict[str, dict[StepShape, list[float]]] = {
             lin: {s: [] for s in shapes} for lin in LINEARS}
         for _ in range(rounds + 1):  # the first round warms up, unrecorded below
             for lin in LINEARS:
                 for s in shapes:
                     t = time.perf_counter()
-                    out = compiled[lin][s](self.params, self.k_pool, self.v_pool, batches[s])
-                    jax.block_until_ready(out.sampled)
+                    out = compiled[lin][s](self.params, self.k_pool, self.v_pool,
+                                           *batches[s])
+                    jax.block_until_ready(out.logits)
                     runs[lin][s].append(time.perf_counter() - t)
                     self.k_pool, self.v_pool = out.k_pool, out.v_pool
         self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()  # as before
@@ -440,59 +450,104 @@ class JaxExecutor:
         return seconds, compiled
 
     # ------------------------------------------------------------------ compilation
+    @property
+    def _forward_shardings(self) -> tuple[Any, Any]:
+        return self._shardings.rank, self._shardings.shared
+
+    @staticmethod
+    def _forward_part(batch: StepBatch) -> tuple[Any, Any]:
+        return batch.rank, batch.shared
+
     def _abstract_args(self, shape: StepShape, layout: BatchLayout | None = None,
                        pool: jax.ShapeDtypeStruct | None = None):
-        """The step's abstract arguments for ``shape`` (``layout`` and ``pool``: a
+        """The forward's abstract arguments for ``shape`` (``layout`` and ``pool``: a
         stand-in pool's, when sizing the real one)."""
-        batch = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             StepBatch.padding(shape, layout or self.layout), self._shardings)
+        batch = _abstract(StepBatch.padding(shape, layout or self.layout), self._shardings)
 
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
         if pool is None:
             pool = abstract(self.k_pool)
-        return (jax.tree.map(abstract, self.params), pool, pool, batch)
+        return (jax.tree.map(abstract, self.params), pool, pool, batch.rank, batch.shared)
+
+    def _abstract_sample_args(self, rows: int, layout: BatchLayout | None = None):
+        """The sampler's abstract arguments for ``rows`` (R) sampling rows per rank."""
+        layout = layout or self.layout
+        sample = _abstract(StepBatch.padding_sample(rows, layout), self._shardings.sample)
+        logits = jax.ShapeDtypeStruct((layout.num_ranks, rows, self.model_config.vocab_size),
+                                      jnp.float32, sharding=NamedSharding(self.mesh, P(SP)))
+        return logits, sample
+
+    def _sample_rows_of(self, shapes: list[StepShape]) -> list[int]:
+        """The sampler sizes ``shapes`` need that are not compiled yet."""
+        rows = {StepBatch.sample_rows(s, self.layout) for s in shapes}
+        return sorted(r for r in rows if r not in self._samplers)
 
     def compile_shape(self, shape: StepShape) -> None:
         if shape not in self._compiled:
-            self._compiled[shape] = self._step.lower(*self._abstract_args(shape)).compile()
+            self._compiled[shape] = self._step.forward.lower(
+                *self._abstract_args(shape)).compile()
+        for rows in self._sample_rows_of([shape]):
+            self._samplers[rows] = self._compile_sampler(rows)
+
+    def _compile_sampler(self, rows: int) -> Any:
+        return self._step.sample.lower(*self._abstract_sample_args(rows)).compile()
 
     def warmup(self, shapes: list[StepShape] | None = None, progress: bool = True) -> float:
-        """AOT-compile every bucket the engine can emit; returns seconds spent."""
+        """AOT-compile every bucket the engine can emit (each shape's forward and each
+        row count's sampler); returns seconds spent."""
         from tqdm.auto import tqdm
 
-        todo = [s for s in (shapes or self.planner.all_shapes()) if s not in self._compiled]
+        shapes = shapes or self.planner.all_shapes()
+        todo = [s for s in shapes if s not in self._compiled]
+        samplers = self._sample_rows_of(shapes)
         start = time.perf_counter()
-        bar = tqdm(total=len(todo), desc="compiling buckets", unit="shape", disable=not progress)
+        bar = tqdm(total=len(todo) + len(samplers), desc="compiling buckets", unit="exe",
+                   disable=not progress)
         workers = max(1, self.exec_config.compile_workers)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            lowered = {s: pool.submit(lambda s=s: self._step.lower(*self._abstract_args(s))
-                                      .compile()) for s in todo}
-            for s, fut in lowered.items():
+            forwards = {s: pool.submit(lambda s=s: self._step.forward.lower(
+                *self._abstract_args(s)).compile()) for s in todo}
+            sample_futs = {r: pool.submit(self._compile_sampler, r) for r in samplers}
+            for s, fut in forwards.items():
                 self._compiled[s] = fut.result()
+                bar.update(1)
+            for r, fut in sample_futs.items():
+                self._samplers[r] = fut.result()
                 bar.update(1)
         bar.close()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ execution
-    def execute(self, plan: IterationPlan) -> StepResult:
-        """Run one plan; returns the token sampled for each sampling request."""
+    def execute(self, plan: IterationPlan, prepare: Preparer | None = None) -> StepResult:
+        """Run one plan; returns the token sampled for each sampling request.
+
+        ``prepare(plan)`` (the engine's grammar masks) runs on the host while the device
+        runs the forward; its ``token_masks`` go to the sampler. In a multi-process
+        instance it runs first: the other processes need the masks in the step's message.
+        """
         if not self.is_leader:
             raise RuntimeError("only process 0 executes plans; the others follow()")
         start = time.perf_counter()
+        if prepare is not None and self.channel is not None:
+            plan, prepare = prepare(plan), None
         shape, host, rows = self.build_batch(plan)
         if shape not in self._compiled and self.guard.serving:
             raise RuntimeError(f"step shape {shape} was not compiled at warm-up")
         self.last_transfer_bytes = self.transfer_bytes(host)
+        complete = None
+        if prepare is not None:
+            def complete() -> SampleRows:
+                return self._with_masks(host.sample, rows, prepare(plan).token_masks)
         if self.channel is None:
-            s = self._run(shape, host)
+            s, logits = self._run(shape, host, complete)
         else:
             # Past this point every process runs the step: any failure leaves them out of
             # step with each other, so it ends the instance, not just this step.
             seq = self.channel.send(shape, host)
             try:
-                s = self._run(shape, host)
+                s, logits = self._run(shape, host)
             except RecompilationError:
                 self.channel.done(seq)  # the step itself ran everywhere
                 raise
@@ -505,34 +560,46 @@ class JaxExecutor:
                                                         s.top_logprobs[rank, row], strict=True)}
             sampled[req] = SampledToken(int(s.tokens[rank, row]), float(s.logprobs[rank, row]),
                                         top)
-        if s.logits is not None:
-            self.last_logits = {req: s.logits[rank, row] for req, (rank, row) in rows.items()}
+        if logits is not None:
+            self.last_logits = {req: logits[rank, row] for req, (rank, row) in rows.items()}
         end = time.perf_counter()
         return StepResult(sampled=sampled, latency_s=end - start, end_s=end)
 
-    def _run(self, shape: StepShape, host: StepBatch) -> Any:
-        """Send ``host``, run the compiled step of ``shape`` and read the sampled rows
-        (numpy ``SampledRows``, replicated: every rank's rows)."""
-        if shape not in self._compiled:
-            self.compile_shape(shape)
-        compiled = self._compiled[shape]
-        batch = self._put(host, self._shardings)
+    def _run(self, shape: StepShape, host: StepBatch,
+             complete: Callable[[], SampleRows] | None = None) -> tuple[Any, Any]:
+        """Run the step of ``shape`` on ``host``: dispatch the forward, then the sampler on
+        ``host.sample`` or, when given, on what ``complete()`` returns (host work that
+        overlaps the forward). Returns the numpy ``SampledRows`` (replicated: every rank's
+        rows) and, with ``return_logits``, the sampling rows' logits f32[N, R, V]."""
+        self.compile_shape(shape)  # a no-op after warm-up
+        forward = self._compiled[shape]
+        sampler = self._samplers[StepBatch.sample_rows(shape, self.layout)]
+        k_pool, v_pool = self.k_pool, self.v_pool
         with self.guard.watch():
+            out = None
             try:
-                out = compiled(self.params, self.k_pool, self.v_pool, batch)
-                # Errors of the device computation surface here, when its results are read.
-                s = jax.device_get(out.sampled)
+                out = forward(self.params, k_pool, v_pool,
+                              *self._put(self._forward_part(host), self._forward_shardings))
+                # The forward's pools, valid unless it fails (which surfaces below).
+                self.k_pool, self.v_pool = out.k_pool, out.v_pool
+                rows = host.sample if complete is None else complete()
+                sampled = sampler(out.logits, self._put(rows, self._shardings.sample))
+                # Errors of the device computations surface here, when results are read.
+                s = jax.device_get(sampled)
+                logits = jax.device_get(out.logits) if self.exec_config.return_logits \
+                    else None
             except Exception as exc:
                 if self.channel is not None:
                     raise  # fails the instance (ExecutorLost): no pool to rebuild
-                if not (self.k_pool.is_deleted() or self.v_pool.is_deleted()):
+                if not (k_pool.is_deleted() or v_pool.is_deleted()):
                     raise  # failed before the pools were donated: they still hold the KV
+                if out is not None and _computed(out.k_pool) and _computed(out.v_pool):
+                    raise  # the forward ran: its pools hold the KV (the host or sampler failed)
                 # Donated to the failed call: deleted, and its outputs hold the error.
                 self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
                 raise KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
                              "its donated KV pools are gone and were rebuilt empty") from exc
-            self.k_pool, self.v_pool = out.k_pool, out.v_pool
-        return s
+        return s, logits
 
     def _lost(self, exc: Exception) -> ExecutorLost:
         if isinstance(exc, ExecutorLost):
@@ -559,7 +626,7 @@ class JaxExecutor:
             host = unpack(msg.payload, self._padding(msg.shape, msg.masked, msg.penalized,
                                                        msg.biased))
             try:
-                self._run(msg.shape, host)
+                self._run(msg.shape, host)  # the masks came with the message
             except Exception as exc:
                 raise self._lost(exc) from exc
             steps += 1
@@ -619,17 +686,16 @@ class JaxExecutor:
         p = shape.prefill
         biased = any(p.completes and p.sampling.logit_bias for p in plan.prefill) or \
             any(d.sampling.logit_bias for d in plan.decode)
-        batch = self._padding(shape, bool(plan.token_masks), bool(plan.histories), biased)
-        a, meta, rows_in = batch.rank, batch.shared, batch.rank.sample
+        batch = self._padding(shape, False, bool(plan.histories), biased)
+        a, meta, rows_in = batch.rank, batch.shared, batch.sample
         rows: dict[int, tuple[int, int]] = {}
         n_sample = [0] * n
-
-        masks, histories = plan.token_masks, plan.histories
+        histories = plan.histories
 
         def add_sample(rank: int, index: int, req: int, spec: SamplingSpec, step: int) -> None:
             row = n_sample[rank]
             n_sample[rank] += 1
-            rows_in.index[rank, row] = index
+            a.sample_index[rank, row] = index
             rows_in.temperature[rank, row] = spec.temperature
             rows_in.top_k[rank, row] = spec.top_k
             rows_in.top_p[rank, row] = spec.top_p
@@ -637,8 +703,6 @@ class JaxExecutor:
             rows_in.seed[rank, row] = spec.seed
             rows_in.step[rank, row] = step
             rows[req] = (rank, row)
-            if masks and (mask := masks.get(req)) is not None:
-                rows_in.bitmask[rank, row] = mask
             if histories and (hist := histories.get(req)) is not None:
                 self._fill_penalties(rows_in, rank, row, spec, hist)
             if spec.logit_bias:
@@ -712,7 +776,22 @@ class JaxExecutor:
             a.decode_pages[r, j, :len(slot.pages)] = slot.pages
             add_sample(r, index, slot.request_id, slot.sampling, slot.sample_step)
         a.num_decode[:] = dcount
+        if plan.token_masks:
+            batch = dataclasses.replace(
+                batch, sample=self._with_masks(batch.sample, rows, plan.token_masks))
         return shape, batch, rows
+
+    def _with_masks(self, sample: SampleRows, rows: dict[int, tuple[int, int]],
+                    masks: dict[int, Any] | None) -> SampleRows:
+        """``sample`` with the rows of ``masks`` (request -> i32[W] allowed tokens)
+        constrained: a fresh host bitmask in place of the device-resident padding."""
+        if not masks:
+            return sample
+        bitmask = StepBatch.padding_bitmask(sample.temperature.shape[1], self.layout)
+        for req, mask in masks.items():
+            if (at := rows.get(req)) is not None:
+                bitmask[at] = mask
+        return dataclasses.replace(sample, bitmask=bitmask)
 
     def _padding(self, shape: StepShape, masked: bool, penalized: bool,
                  biased: bool = False) -> StepBatch:
@@ -722,7 +801,7 @@ class JaxExecutor:
         r = StepBatch.sample_rows(shape, layout)
         idle = self._idle_rows.get(r)
         if idle is None:
-            spec = self._shardings.rank.sample
+            spec = self._shardings.sample
             idle = (self._put(StepBatch.padding_bitmask(r, layout), spec.bitmask),
                     self._put(StepBatch.padding_history(r, layout), spec.history),
                     self._put(StepBatch.padding_bias(r, layout), (spec.bias_ids, spec.bias)))
@@ -795,6 +874,21 @@ class JaxExecutor:
         page group is N decode pages, N-1 of which leave another rank."""
         return transfer_link_bytes(self.step_config, int(batch.shared.transfer_count.sum()),
                                    self.dtype.itemsize)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """Abstract values (shape, dtype, sharding) of a host tree's leaves."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        tree, shardings)
+
+
+def _computed(array: jax.Array) -> bool:
+    """Whether ``array``'s computation succeeded (waits for it)."""
+    try:
+        array.block_until_ready()
+    except Exception:  # noqa: BLE001 - the computation's own error: it failed
+        return False
+    return True
 
 
 def _check_piece(piece: PrefillPiece, num_ranks: int) -> None:

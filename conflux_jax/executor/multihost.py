@@ -65,7 +65,7 @@ def _has_own(leaf: Any) -> bool:
 
 def encode(seq: int, shape: StepShape, batch: StepBatch) -> bytes:
     """One step's message: header, then every numpy leaf's bytes (all 4-byte dtypes)."""
-    sample = batch.rank.sample
+    sample = batch.sample
     header = np.array([_MAGIC, STEP, seq, *dataclasses.astuple(shape),
                        _has_own(sample.bitmask), _has_own(sample.history),
                        _has_own(sample.bias)], np.int32)

@@ -14,7 +14,12 @@ Per rank and per layer (DESIGN.md §3, paper §4):
    the rank's own decode requests.
 4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
 
-The function is pure: ``(params, k_pool, v_pool, StepBatch) -> StepOutputs``, KV donated.
+A step is two pure functions, each one compiled executable: the forward
+``(params, k_pool, v_pool, RankInputs, SharedInputs) -> ForwardOutputs`` (KV donated) and
+the sampler ``(logits, SampleRows) -> SampledRows``. The host dispatches the forward, fills
+the token masks of grammar-constrained rows while the device runs it, then dispatches the
+sampler (vLLM's overlap of the structured-output bitmask with the forward pass); an
+unconstrained step dispatches both at once and reads its tokens once.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 from conflux_jax.config import ModelConfig
 from conflux_jax.executor.batch import (
+    ForwardOutputs,
     RankInputs,
     SampledRows,
+    SampleRows,
     SharedInputs,
     StepBatch,
-    StepOutputs,
 )
 from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
@@ -54,13 +60,11 @@ class StepConfig:
     num_pages: int  # pages per rank
     num_top_logprobs: int = 0
     attention_impl: str | None = None  # None = auto (see pallas_kernels)
-    return_logits: bool = False  # tests: also return the sampled rows' logits f32[N, R, V]
     linears: str = "xla"  # "blas": OpenBLAS in place of XLA's dot (``Decoder.run_layers``)
     # "cpu": decode attention by the CPU's FFI handler (``pallas_kernels.cpu_attention``)
     # instead of ``ragged_paged_attention``; prefill attention is unchanged.
     decode_attention: str = "rpa"
-    # Multi-process: return the sampled rows replicated, so that process 0 (which only
-    # holds its own ranks' shards) reads every rank's tokens; one small all-gather.
+    # Multi-process: the sampler returns its rows replicated (see ``build_step``).
     replicate_samples: bool = False
 
 
@@ -102,12 +106,12 @@ def param_specs(params: Params) -> Params:
     return out
 
 
-def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.Array,
-               batch: StepBatch) -> StepOutputs:
-    """Body run on every device. Per-rank arrays arrive with a leading axis of size 1."""
+def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.Array,
+                  rank: RankInputs, meta: SharedInputs) -> ForwardOutputs:
+    """The forward's body on every device. Per-rank arrays arrive with a leading axis of
+    size 1."""
     n, ps = cfg.num_ranks, cfg.page_size
-    b = jax.tree.map(lambda a: a[0], batch.rank)  # this rank's inputs
-    meta = batch.shared
+    b = jax.tree.map(lambda a: a[0], rank)  # this rank's inputs
     k_pool, v_pool = k_pool[0], v_pool[0]  # f[L, pages, ps, Hkv_local, d]
     model = Decoder(cfg.model, params)
     t = b.tokens.shape[0]
@@ -161,16 +165,19 @@ def _rank_step(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.A
     tp_axis = TP if cfg.tp > 1 else None
     x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis,
                                            linears=cfg.linears)
-    rows = b.sample
-    logits = model.logits(x[rows.index])  # f32[R, V]
+    logits = model.logits(x[b.sample_index])  # f32[R, V]
+    return ForwardOutputs(k_pool[None], v_pool[None], logits[None])
+
+
+def _rank_sample(cfg: StepConfig, logits: jax.Array, rows: SampleRows) -> SampledRows:
+    """The sampler's body on every device: logits f32[1, R, V], rows [1, R, ...]."""
+    rows = jax.tree.map(lambda a: a[0], rows)
     adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,
                               rows.frequency, rows.repetition, rows.bias_ids, rows.bias)
-    tokens, logprobs, top_ids, top_lps = sample(
-        logits, rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
-        cfg.num_top_logprobs, adjust, rows.min_p)
-    sampled = SampledRows(tokens, logprobs, top_ids, top_lps,
-                          logits if cfg.return_logits else None)
-    return StepOutputs(k_pool[None], v_pool[None], jax.tree.map(lambda a: a[None], sampled))
+    sampled = SampledRows(*sample(
+        logits[0], rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
+        cfg.num_top_logprobs, adjust, rows.min_p))
+    return jax.tree.map(lambda a: a[None], sampled)
 
 
 def _cpu_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
@@ -274,24 +281,38 @@ def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) ->
     return jax.lax.platform_dependent(src, start, count, cpu=dense, default=ragged)
 
 
-def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params):
-    """The jitted step: (params, k_pool, v_pool, StepBatch) -> StepOutputs."""
-    body = functools.partial(_rank_step, cfg)
-    rows = P(SP)
-    out_specs = StepOutputs(KV_POOL_SPEC, KV_POOL_SPEC, SampledRows(
-        rows, rows, rows, rows, rows if cfg.return_logits else None))
-    mapped = jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, StepBatch.specs()),
-        out_specs=out_specs, check_vma=False)
-    if not cfg.replicate_samples:
-        return jax.jit(mapped, donate_argnums=(1, 2))
-    everywhere = jax.sharding.NamedSharding(mesh, P())
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The step's two jitted functions (see the module docstring)."""
 
-    def replicated(params: Params, k_pool: jax.Array, v_pool: jax.Array,
-                   batch: StepBatch) -> StepOutputs:
-        out = mapped(params, k_pool, v_pool, batch)
-        return dataclasses.replace(
-            out, sampled=jax.lax.with_sharding_constraint(out.sampled, everywhere))
+    forward: Any  # (params, k_pool, v_pool, RankInputs, SharedInputs) -> ForwardOutputs
+    sample: Any  # (logits f32[N, R, V], SampleRows) -> SampledRows
 
-    return jax.jit(replicated, donate_argnums=(1, 2))
+    def __call__(self, params: Params, k_pool: jax.Array, v_pool: jax.Array,
+                 batch: StepBatch) -> tuple[ForwardOutputs, SampledRows]:
+        """Both, one after the other (benchmarks and tests; the executor overlaps them)."""
+        out = self.forward(params, k_pool, v_pool, batch.rank, batch.shared)
+        return out, self.sample(out.logits, batch.sample)
+
+
+def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params) -> Step:
+    """The jitted forward (KV pools donated) and sampler."""
+    specs, rows = StepBatch.specs(), P(SP)
+    forward = jax.shard_map(
+        functools.partial(_rank_forward, cfg), mesh=mesh,
+        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, specs.rank, specs.shared),
+        out_specs=ForwardOutputs(KV_POOL_SPEC, KV_POOL_SPEC, rows), check_vma=False)
+    sampler = jax.shard_map(
+        functools.partial(_rank_sample, cfg), mesh=mesh, in_specs=(rows, specs.sample),
+        out_specs=SampledRows(rows, rows, rows, rows), check_vma=False)
+    if cfg.replicate_samples:
+        # Multi-process: process 0 holds only its own ranks' shards; one small
+        # all-gather lets it read every rank's tokens.
+        everywhere = jax.sharding.NamedSharding(mesh, P())
+        sampler_sharded = sampler
+
+        def sampler(logits: jax.Array, rows: SampleRows) -> SampledRows:
+            return jax.lax.with_sharding_constraint(sampler_sharded(logits, rows),
+                                                    everywhere)
+
+    return Step(jax.jit(forward, donate_argnums=(1, 2)), jax.jit(sampler))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from conflux_jax.latency import BatchShape, LatencyModel
-from conflux_jax.plan import IterationPlan, KVSpec, SampledToken, StepResult
+from conflux_jax.plan import IterationPlan, KVSpec, Preparer, SampledToken, StepResult
 
 _TOKEN = SampledToken(0)
 
@@ -50,7 +50,9 @@ class SimExecutor:
         """Latency of ``plan`` from the plan's own lengths."""
         return self.model.estimate(BatchShape.from_plan(plan, self.num_ranks))
 
-    def execute(self, plan: IterationPlan) -> StepResult:
+    def execute(self, plan: IterationPlan, prepare: Preparer | None = None) -> StepResult:
+        if prepare is not None:  # masks constrain no simulated token, but run the caller's code
+            prepare(plan)
         latency = self.price(plan)
         if self.noise:
             latency *= max(0.0, 1.0 + self._rng.gauss(0.0, self.noise))

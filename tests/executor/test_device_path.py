@@ -13,6 +13,7 @@ from conflux_workload import run_random_workload
 from tiny_models import TINY_LLAMA, TINY_SMOL
 
 import pallas_kernels._common as kernel_common
+from conflux_jax.executor.batch import StepBatch
 from conflux_jax.executor.buckets import BucketConfig, StepShape
 from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
 from conflux_jax.models.decoder import random_params
@@ -72,8 +73,12 @@ def test_step_with_the_pallas_kernel_matches_reference(monkeypatch) -> None:
 
 
 def _lower(ex: JaxExecutor, shape: StepShape, platform: str) -> str:
-    return ex._step.trace(*ex._abstract_args(shape)).lower(
-        lowering_platforms=(platform,)).as_text()
+    """The step's forward and sampler lowered for ``platform``: both must lower."""
+    rows = StepBatch.sample_rows(shape, ex.layout)
+    return "\n".join(
+        fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        for fn, args in ((ex._step.forward, ex._abstract_args(shape)),
+                         (ex._step.sample, ex._abstract_sample_args(rows))))
 
 
 @pytest.mark.parametrize("case", list(CASES))

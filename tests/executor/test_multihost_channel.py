@@ -52,7 +52,7 @@ def test_a_follower_rebuilds_the_leaders_batch(planned, own_rows):
         else:  # device-resident padding: the follower's own, of the same value
             assert np.array_equal(np.asarray(theirs), np.asarray(mine))
     if own_rows:
-        sample = rebuilt.rank.sample
+        sample = rebuilt.sample
         assert isinstance(sample.bitmask, np.ndarray)
         assert (2.5, -1.0) in {tuple(v[v != 0]) for v in sample.bias.reshape(-1, 1024)}
 
