@@ -341,13 +341,15 @@ class JaxExecutor:
         probe_pool = probe_pages * page_bytes  # K and V on this device
         inputs = max(0, mem.argument_size_in_bytes - weights - probe_pool)
         outputs = max(0, mem.output_size_in_bytes - mem.alias_size_in_bytes)
-        # The sampler runs while the forward's logits (counted in its outputs) are held.
+        # The sampler runs while the forward's logits are held (counted in its outputs,
+        # so not again among the sampler's arguments).
         rows = StepBatch.sample_rows(largest, layout(probe_pages))
         sampler = probe.sample.lower(*self._abstract_sample_args(rows, layout(probe_pages))
                                      ).compile().memory_analysis()
+        logits = rows * m.vocab_size * 4  # f32[R, V] on this device
         activations = (mem.temp_size_in_bytes + inputs + outputs
-                       + sampler.temp_size_in_bytes + sampler.argument_size_in_bytes
-                       + sampler.output_size_in_bytes)
+                       + sampler.temp_size_in_bytes + sampler.output_size_in_bytes
+                       + max(0, sampler.argument_size_in_bytes - logits))
         pages = (budget - weights - activations) // page_bytes
         need = -(-ec.max_model_len // ec.page_size) + self.planner.transfer_groups
         if pages < need:
@@ -431,8 +433,7 @@ class JaxExecutor:
                                         self.mesh, self._param_specs)
                           .forward.lower(*self._abstract_args(s)).compile() for s in shapes}
                     for lin in LINEARS}
-        batches = {s: self._put(self._forward_part(StepBatch.padding(s, self.layout)),
-                                self._forward_shardings) for s in shapes}
+        batches = {s: self._put_forward(StepBatch.padding(s, self.layout)) for s in shapes}
         runs: dict[str, dict[StepShape, list[float]]] = {
             lin: {s: [] for s in shapes} for lin in LINEARS}
         for _ in range(rounds + 1):  # the first round warms up, unrecorded below
@@ -450,13 +451,10 @@ class JaxExecutor:
         return seconds, compiled
 
     # ------------------------------------------------------------------ compilation
-    @property
-    def _forward_shardings(self) -> tuple[Any, Any]:
-        return self._shardings.rank, self._shardings.shared
-
-    @staticmethod
-    def _forward_part(batch: StepBatch) -> tuple[Any, Any]:
-        return batch.rank, batch.shared
+    def _put_forward(self, batch: StepBatch) -> tuple[Any, Any]:
+        """The forward's part of a host batch (``rank``, ``shared``) onto the mesh."""
+        return self._put((batch.rank, batch.shared), (self._shardings.rank,
+                                                      self._shardings.shared))
 
     def _abstract_args(self, shape: StepShape, layout: BatchLayout | None = None,
                        pool: jax.ShapeDtypeStruct | None = None):
@@ -486,10 +484,12 @@ class JaxExecutor:
 
     def compile_shape(self, shape: StepShape) -> None:
         if shape not in self._compiled:
-            self._compiled[shape] = self._step.forward.lower(
-                *self._abstract_args(shape)).compile()
+            self._compiled[shape] = self._compile_forward(shape)
         for rows in self._sample_rows_of([shape]):
             self._samplers[rows] = self._compile_sampler(rows)
+
+    def _compile_forward(self, shape: StepShape) -> Any:
+        return self._step.forward.lower(*self._abstract_args(shape)).compile()
 
     def _compile_sampler(self, rows: int) -> Any:
         return self._step.sample.lower(*self._abstract_sample_args(rows)).compile()
@@ -507,8 +507,7 @@ class JaxExecutor:
                    disable=not progress)
         workers = max(1, self.exec_config.compile_workers)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            forwards = {s: pool.submit(lambda s=s: self._step.forward.lower(
-                *self._abstract_args(s)).compile()) for s in todo}
+            forwards = {s: pool.submit(self._compile_forward, s) for s in todo}
             sample_futs = {r: pool.submit(self._compile_sampler, r) for r in samplers}
             for s, fut in forwards.items():
                 self._compiled[s] = fut.result()
@@ -571,19 +570,19 @@ class JaxExecutor:
         ``host.sample`` or, when given, on what ``complete()`` returns (host work that
         overlaps the forward). Returns the numpy ``SampledRows`` (replicated: every rank's
         rows) and, with ``return_logits``, the sampling rows' logits f32[N, R, V]."""
-        self.compile_shape(shape)  # a no-op after warm-up
-        forward = self._compiled[shape]
-        sampler = self._samplers[StepBatch.sample_rows(shape, self.layout)]
+        rows = StepBatch.sample_rows(shape, self.layout)
+        if shape not in self._compiled or rows not in self._samplers:  # not after warm-up
+            self.compile_shape(shape)
+        forward, sampler = self._compiled[shape], self._samplers[rows]
         k_pool, v_pool = self.k_pool, self.v_pool
         with self.guard.watch():
             out = None
             try:
-                out = forward(self.params, k_pool, v_pool,
-                              *self._put(self._forward_part(host), self._forward_shardings))
+                out = forward(self.params, k_pool, v_pool, *self._put_forward(host))
                 # The forward's pools, valid unless it fails (which surfaces below).
                 self.k_pool, self.v_pool = out.k_pool, out.v_pool
-                rows = host.sample if complete is None else complete()
-                sampled = sampler(out.logits, self._put(rows, self._shardings.sample))
+                sample = host.sample if complete is None else complete()
+                sampled = sampler(out.logits, self._put(sample, self._shardings.sample))
                 # Errors of the device computations surface here, when results are read.
                 s = jax.device_get(sampled)
                 logits = jax.device_get(out.logits) if self.exec_config.return_logits \
