@@ -22,6 +22,12 @@ Plan semantics
 * A chunk with ``load_pages`` starts after a prefix-cache hit: before its attention the
   executor copies each rank's head shard of the cached KV (positions ``[0, start)``,
   full-head decode pages on ``load_rank``) into that rank's prefill pages.
+* A :class:`LocalPrefill` is the whole uncached suffix of a prompt whose cached prefix
+  (``start`` tokens, already in the head of ``pages``: full-head decode pages on
+  ``rank``) is on the rank that will decode it. It runs on that rank alone, in the decode
+  slice: each suffix token is one decode row over the same pages (attention over the
+  prefix plus the suffix up to itself), with no load and no transfer; the last position
+  samples the first output token and the request then decodes on ``rank``.
 * A :class:`DecodeSlot` advances one resident decode on its rank by one token: the
   request's last sampled token ``token_id`` is written to KV at ``position`` (the current
   KV length) in ``pages`` and the next token is sampled.
@@ -111,6 +117,20 @@ class PrefillPiece:
         return sum(self.counts)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalPrefill:
+    """A prompt's uncached suffix prefilled on its decode rank (see the module docstring)."""
+
+    request_id: int
+    rank: int
+    start: int  # cached prefix tokens, resident in the head of ``pages``
+    token_ids: tuple[int, ...] = ()  # i32[length]: positions [start, start + length)
+    pages: tuple[int, ...] = ()  # i32[pages]: decode-view page ids on ``rank``
+    sampling: SamplingSpec = GREEDY
+    sample_step: int = 0  # index of the output token it samples
+    length: int = 0  # suffix tokens (== len(token_ids) when the plan carries token ids)
+
+
 class DecodeSlot(NamedTuple):
     """Advance resident decode ``request_id`` on ``rank`` by one token.
 
@@ -135,6 +155,7 @@ class IterationPlan:
     decode: tuple[DecodeSlot, ...]
     estimated_latency_s: float
     mode: PlanMode = "conflux"
+    local_prefill: tuple[LocalPrefill, ...] = ()
     released: tuple[int, ...] = ()
     preempted: tuple[int, ...] = ()  # subset of ``released``: these will be recomputed
     fits_slo: bool = True  # the scheduler's claim: estimated latency <= TBT SLO
@@ -146,12 +167,20 @@ class IterationPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.local_prefill
 
     @property
     def request_ids(self) -> list[int]:
         """Every request this plan runs (prefill pieces first)."""
-        return [p.request_id for p in self.prefill] + [d.request_id for d in self.decode]
+        return [p.request_id for p in self.prefill] + \
+            [p.request_id for p in self.local_prefill] + [d.request_id for d in self.decode]
+
+    @property
+    def sampling_ids(self) -> list[int]:
+        """The requests that sample a token this iteration: completing prefill pieces,
+        local prefills and decode slots."""
+        return [p.request_id for p in self.prefill if p.completes] + \
+            [p.request_id for p in self.local_prefill] + [d.request_id for d in self.decode]
 
     def prefill_per_rank(self, num_ranks: int) -> list[int]:
         """Prefill tokens n_p^r per rank."""
@@ -165,10 +194,12 @@ class IterationPlan:
         return load
 
     def decode_per_rank(self, num_ranks: int) -> list[int]:
-        """Decode tokens n_d^r per rank."""
+        """Decode-slice tokens n_d^r per rank (decode slots and local prefill tokens)."""
         load = [0] * num_ranks
         for d in self.decode:
             load[d.rank] += 1
+        for p in self.local_prefill:
+            load[p.rank] += p.length
         return load
 
 
@@ -185,8 +216,8 @@ class SampledToken:
 class StepResult:
     """What one executed iteration produced.
 
-    ``sampled`` maps every request that sampled this iteration (completing prefills and
-    all decode slots) to its new token. ``latency_s`` is the iteration's wall (or virtual)
+    ``sampled`` maps every request that sampled this iteration (``plan.sampling_ids``)
+    to its new token. ``latency_s`` is the iteration's wall (or virtual)
     duration and ``end_s`` the executor clock when it finished.
     """
 

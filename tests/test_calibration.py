@@ -44,8 +44,10 @@ def _engine(tmp: Path, **kw) -> Engine:
 
 def test_calibrates_at_warmup_saves_and_a_restart_loads(tmp_path: Path, caplog) -> None:
     engine = _engine(tmp_path)
-    # No shipped fit and no device in the hardware table: the built-in estimate first.
-    assert engine.latency_model == default_latency_model(TINY_LLAMA.num_layers, 2)
+    # No shipped fit and no device in the hardware table: the built-in estimate first,
+    # priced on the executor's token buckets.
+    assert engine.latency_model == default_latency_model(TINY_LLAMA.num_layers, 2
+                                                         ).for_buckets((32,))
     with caplog.at_level(logging.INFO, logger="conflux_jax.engine.calibration"):
         engine.warmup(progress=False)
     fitted = engine.scheduler.model

@@ -14,7 +14,9 @@ from test_engine import BUCKETS, PARAMS, solo_greedy, word_tokenizer
 from tiny_models import TINY_LLAMA
 
 from conflux_jax.engine import Engine, EngineConfig
+from conflux_jax.engine.engine import default_latency_model
 from conflux_jax.executor.jax_executor import ExecutorConfig
+from conflux_jax.latency import Affine
 from conflux_jax.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
@@ -97,6 +99,33 @@ def test_shared_prefixes_give_the_reference_tokens_and_those_of_caching_off():
     assert loads and all(p.start == 4 * len(p.load_pages) for p in loads)
     assert any(p.resident_tokens for plan in plans for p in plan.prefill)  # owner affinity
     assert_all_free(on)
+
+
+def test_link_bytes_count_the_loads():
+    """A step that loads a cached prefix (and moves no KV) sends N-1 of each loaded page's
+    N head shards over links (K and V, every layer)."""
+    engine = make_engine(local_prefill=False)
+    prefix = list(range(3, 43))
+    engine.generate([prefix], [GREEDY])
+    ex = engine.executor
+    sent = []
+    run = ex.execute
+
+    def execute(plan):
+        out = run(plan)
+        sent.append((plan, ex.last_transfer_bytes))
+        return out
+
+    ex.execute = execute
+    engine.generate([prefix + [5] * 9], [dataclasses.replace(GREEDY, max_tokens=1)])
+    ((plan, got),) = [(p, b) for p, b in sent if p.prefill]
+    (piece,) = plan.prefill
+    assert len(piece.load_pages) == 10 and piece.resident_tokens == 40  # on the owner
+    m = ex.step_config.model
+    page = 4 * m.num_kv_heads * m.head_dim * 4  # f32, all heads
+    moved = -(-(40 + 9) // 16) - 40 // 16  # page groups (4 pages) not wholly on the owner
+    # a loaded page sends 3 of its 4 head shards; a moved group 3 of its 4 pages
+    assert got == 2 * m.num_layers * page * (10 * 3 + moved * 3 * 4) // 4
 
 
 @pytest.mark.parametrize("seed", [11])
@@ -183,10 +212,39 @@ def test_n_choices_prefill_their_prompt_once_and_share_its_pages():
     (out,) = engine.generate([prompt], [dataclasses.replace(GREEDY, n=4)])
     assert [c.token_ids for c in out.outputs] == [solo_greedy(prompt, 6)] * 4
     prefills = [p for plan in plans for p in plan.prefill]
-    assert sum(p.length for p in prefills) == 40 + 3 * 4  # once, then each choice's tail
+    local = [lp for plan in plans for lp in plan.local_prefill]
+    # once, then each choice's tail (loaded and Ulysses-prefilled, or on the owner alone)
+    assert sum(p.length for p in prefills) + sum(lp.length for lp in local) == 40 + 3 * 4
     owner = prefills[0].decode_rank
     loads = [p for p in prefills if p.load_pages]
-    assert len(loads) == 3 and all(p.start == 36 and p.load_rank == owner for p in loads)
+    assert len(loads) + len(local) == 3
+    assert all(p.start == 36 and p.load_rank == owner for p in loads)
+    assert all(lp.start == 36 and lp.rank == owner for lp in local)
     assert all(p.decode_rank == owner for p in prefills if p.completes)  # on its pages
     assert engine.scheduler.prefix_hits == 3 * 36
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("mesh,impl", [
+    ("sp=4,tp=1", None),
+    ("sp=2,tp=2", None),
+    ("sp=4,tp=1", "interpret"),  # the Pallas kernel reads the local rows
+])
+def test_suffixes_prefilled_on_the_owner_alone_give_the_reference_tokens(mesh, impl):
+    """With links priced slow, a hit whose suffix fits the owner's decode slice runs there
+    alone (decode-slice rows over its cached pages, beside resident decodes and other
+    prompts' Ulysses chunks); every token is still the dense reference's."""
+    n = 4 if mesh.startswith("sp=4") else 2
+    slow_links = dataclasses.replace(
+        default_latency_model(TINY_LLAMA.num_layers, n).for_buckets(BUCKETS.tokens),
+        comm=Affine(b=0.01))
+    waves = shared_prefix_waves(seed=3)
+    engine = make_engine(mesh, latency_model=slow_links, attention_impl=impl)
+    plans = record_plans(engine)
+    got = run_waves(engine, waves)
+    assert got == [solo_greedy(p, 6) for w in waves for p in w]
+    local = [lp for plan in plans for lp in plan.local_prefill]
+    assert len(local) >= 4 and max(lp.length for lp in local) > 1
+    assert any(plan.local_prefill and plan.decode for plan in plans)
+    assert any(plan.local_prefill and plan.prefill for plan in plans)
     assert_all_free(engine)

@@ -15,8 +15,9 @@ are multiplied by ``--prompt-scale``/``--output-scale`` and capped by
 ``--turns T`` replays multi-turn chats (``serve_workload.multi_turn``): each follow-up
 turn resends the conversation so far. Every summary reports the prefix-cache hit rate
 (prompt tokens served from cache); ``--prefix-caching-ab`` runs the in-process engine with
-caching on and then off on the same workload and prints them side by side, beside the
-brute-force count of what the replay makes reusable.
+caching on and then off on the same workload (``--local-prefill-ab``: with a hit's short
+suffix prefilled on its owner rank alone, then always loaded and Ulysses-prefilled) and
+prints them side by side, beside the brute-force count of what the replay makes reusable.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def run_engine(engine: Any, reqs: list[ServeRequest], progress: bool = False
 
 def engine_from_model(model: str, max_model_len: int, policy: str, ttft_slo_s: float,
                       tbt_slo_s: float, mesh: str | None = None,
-                      enable_prefix_caching: bool = True) -> Any:
+                      enable_prefix_caching: bool = True, local_prefill: bool = True) -> Any:
     """The default (or any checkpoint) model as an in-process engine on local devices."""
     from conflux_jax import LLM
     from conflux_jax.engine import EngineConfig
@@ -132,7 +133,8 @@ def engine_from_model(model: str, max_model_len: int, policy: str, ttft_slo_s: f
     cfg = EngineConfig(executor=ExecutorConfig(max_model_len=max_model_len, mesh=mesh),
                        policy=policy,
                        ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, profile=model,
-                       enable_prefix_caching=enable_prefix_caching)
+                       enable_prefix_caching=enable_prefix_caching,
+                       local_prefill=local_prefill)
     return LLM(model, max_model_len=max_model_len, engine_config=cfg).engine
 
 
@@ -307,14 +309,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-caching-ab", action="store_true",
                     help="in-process: the same workload with caching on, then off; prints "
                          "both and the TTFT ratio")
+    ap.add_argument("--local-prefill-ab", action="store_true",
+                    help="in-process, caching on: a hit's short suffix prefilled on its owner "
+                         "rank alone when the latency model prefers it, then always loaded "
+                         "and Ulysses-prefilled; prints both and the TTFT ratio")
     ap.add_argument("--warmup", type=int, default=4,
                     help="requests sent as one unmeasured burst first (compiles the steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write every summary here")
     args = ap.parse_args(argv)
-    if args.url and (args.no_prefix_caching or args.prefix_caching_ab):
-        ap.error("--no-prefix-caching and --prefix-caching-ab drive the in-process engine; "
-                 "start the server with --no-enable-prefix-caching instead")
+    if args.url and (args.no_prefix_caching or args.prefix_caching_ab
+                     or args.local_prefill_ab):
+        ap.error("--no-prefix-caching, --prefix-caching-ab and --local-prefill-ab drive the "
+                 "in-process engine; start the server with --no-enable-prefix-caching "
+                 "instead")
+    if args.no_prefix_caching and (args.prefix_caching_ab or args.local_prefill_ab):
+        ap.error("--no-prefix-caching contradicts the A/B flags")
     if args.turns < 1:
         ap.error("--turns must be at least 1")
 
@@ -323,23 +333,31 @@ def main(argv: list[str] | None = None) -> int:
     turn_scaling = LengthScaling(args.turn_prompt_scale, 1.0, args.max_turn_prompt_len)
     rows = load_rows(args.trace, args.num_prompts, args.seed)
     variants: list[tuple[str, Runner, int | None]] = []  # (label, runner, pool pages)
+    engines: dict[str, Any] = {}  # label -> the in-process engine
     if args.url:
         model = args.model if args.model != "default" else server_model(args.url)
         vocab = (100, 32000)  # token ids every supported tokenizer has (none special)
         variants.append((f"{args.url} ({model})",
                          lambda reqs: run_server(args.url, model, reqs), None))
     else:
-        cachings = [True, False] if args.prefix_caching_ab else [not args.no_prefix_caching]
+        # (prefix caching, owner-alone suffix prefill)
+        setups = [(not args.no_prefix_caching, True)]
+        if args.local_prefill_ab:
+            setups.append((True, False))
+        if args.prefix_caching_ab:
+            setups.append((False, True))
         vocab = (100, 32000)
-        for caching in cachings:
+        for caching, local in setups:
             engine = engine_from_model(args.model, args.max_model_len, args.policy,
                                        args.ttft_slo, args.tbt_slo,
-                                       enable_prefix_caching=caching)
+                                       enable_prefix_caching=caching, local_prefill=local)
             vocab = (100, engine.model_config.vocab_size)
             kv = engine.executor.kv
-            variants.append((f"in-process engine ({args.model}, policy {args.policy}, prefix "
-                             f"caching {'on' if caching else 'off'})",
-                             lambda reqs, e=engine: run_engine(e, reqs),
+            label = (f"in-process engine ({args.model}, policy {args.policy}, prefix caching "
+                     f"{'on' if caching else 'off'}"
+                     f"{'' if local or not caching else ', no owner-alone suffixes'})")
+            engines[label] = engine
+            variants.append((label, lambda reqs, e=engine: run_engine(e, reqs),
                              kv.num_pages * kv.num_ranks))
 
     def make(rate: float, run: str = "measured") -> list[ServeRequest]:
@@ -380,13 +398,33 @@ def main(argv: list[str] | None = None) -> int:
                 "Reusable prompt tokens (brute force):": str(m["reusable_tokens"]),
                 "Cached prompt tokens:": str(m["total_cached_tokens"])}))
         print(_table(per_rate))
+        if (engine := engines.get(label)) is not None and engine.scheduler.local_prefills:
+            sched = engine.scheduler
+            print(f"suffixes prefilled on their owner rank alone (warm-up included): "
+                  f"{sched.local_prefills} ({sched.local_prefill_tokens} tokens)")
         capped = per_rate[max(per_rate)]["deadline_attainment"] >= TARGET  # never failed
         print(f"goodput_rps (attainment >= {TARGET:.0%} at {args.ttft_slo:g} s TTFT / "
               f"{args.tbt_slo * 1e3:g} ms TBT): {'>=' if capped else ''}{good:g}"
               + ("  (every rate passed: raise --rates)" if capped else ""))
-    ab = None
+    ab = local_ab = None
+    labels = list(runs)
+    if args.local_prefill_ab:
+        on, off = runs[labels[0]], runs[labels[1]]
+        local_ab = {f"{r:g}": {
+            "ttft_p50_load_over_local": off[r]["median_ttft_ms"]
+            / max(on[r]["median_ttft_ms"], 1e-9),
+            "tpot_p50_load_over_local": off[r]["median_tpot_ms"]
+            / max(on[r]["median_tpot_ms"], 1e-9)} for r in on}
+        print("owner-alone suffixes on vs off (always load + Ulysses), caching on, one run:")
+        print(f"{'rate (req/s)':<14}{'TTFT p50 on ms':>16}{'off ms':>10}{'off/on':>8}"
+              f"{'TPOT p50 on ms':>16}{'off ms':>10}{'off/on':>8}")
+        for r in on:
+            a = local_ab[f"{r:g}"]
+            print(f"{r:<14g}{on[r]['median_ttft_ms']:>16.1f}{off[r]['median_ttft_ms']:>10.1f}"
+                  f"{a['ttft_p50_load_over_local']:>8.2f}{on[r]['median_tpot_ms']:>16.1f}"
+                  f"{off[r]['median_tpot_ms']:>10.1f}{a['tpot_p50_load_over_local']:>8.2f}")
     if args.prefix_caching_ab:
-        (_, on), (_, off) = runs.items()
+        on, off = runs[labels[0]], runs[labels[-1]]
         ab = {f"{r:g}": {
             "ttft_p50_off_over_on": off[r]["median_ttft_ms"] / max(on[r]["median_ttft_ms"],
                                                                    1e-9),
@@ -425,5 +463,5 @@ def main(argv: list[str] | None = None) -> int:
                 "goodput_rps": goodput(pr),
                 "goodput_capped_by_sweep": pr[max(pr)]["deadline_attainment"] >= TARGET,
                 "rates": {f"{r:g}": m for r, m in pr.items()}} for label, pr in runs.items()},
-            "prefix_caching_ab": ab}, indent=2))
+            "prefix_caching_ab": ab, "local_prefill_ab": local_ab}, indent=2))
     return 0

@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unbounded-prefix-cache", action="store_true",
                     help="instead of the engine's cache, skip every block an earlier "
                          "request sent: unbounded and free, an upper bound only")
+    ap.add_argument("--no-local-prefill", action="store_true",
+                    help="a prefix hit's suffix always loads the cached KV and runs Ulysses "
+                         "prefill (default: on its owner rank alone when the latency model "
+                         "prices that lower)")
     ap.add_argument("--bounded-wait", action="store_true",
                     help="every policy with the serving engine's bounded-waiting rule (a "
                          "request past its TTFT deadline by one TTFT SLO is served first); "
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                                       coeffs=args.coeffs, bounded_wait=args.bounded_wait,
                                       noise=args.noise, estimate=args.estimate,
                                       attention=args.attention, seed=args.seed,
-                                      prefix_caching=caching))
+                                      prefix_caching=caching,
+                                      local_prefill=not args.no_local_prefill))
              for p in args.policies}
     cands = {p: [s] if args.no_sweep else sweep(s) for p, s in specs.items()}
     bar = tqdm(total=sum(len(c) for c in cands.values()) * len(rates), desc="policy x rate")
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = (", unbounded prefix cache (upper bound)" if args.unbounded_prefix_cache else
              f", prefix cache bounded by the KV pool ({pool} tokens per Conflux rank)"
              if hashes is not None and caching else ", no prefix caching")
+    cache += ", no owner-alone suffixes" if args.no_local_prefill and caching else ""
     cache += ", bounded waiting" if args.bounded_wait else ""
     cache += f", noise {args.noise:g}" if args.noise else ""
     cache += ", oracle estimate" if args.estimate == "oracle" else ""
@@ -215,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             f"the engine's, bounded by each instance's KV pool ({pool} tokens per Conflux "
             "rank)" if hashes is not None and caching else None,
             "num_requests": args.num_requests, "bounded_wait": args.bounded_wait,
+            "local_prefill": not args.no_local_prefill,
             "ttft_slo_s": ttft, "tbt_slo_s": tbt, "rates": rates, "target": TARGET,
             "latency_source": str(args.coeffs) if args.coeffs else "roofline",
             "noise": args.noise, "estimate": args.estimate, "attention": args.attention,

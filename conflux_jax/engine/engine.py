@@ -83,6 +83,9 @@ class EngineConfig:
     # Automatic prefix caching (on by default, as in vLLM): prompts reuse the KV of full
     # pages an earlier request computed (SchedulerConfig.enable_prefix_caching).
     enable_prefix_caching: bool = True
+    # A prefix hit's short suffix prefills on its owner rank alone when the latency model
+    # says it is cheaper (SchedulerConfig.local_prefill); False = always load + Ulysses.
+    local_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -142,7 +145,8 @@ class Engine:
                             max_transfer_groups=self.executor.planner.transfer_groups,
                             overdue_grace_s=config.overdue_grace_s,
                             min_prefill_chunk=config.min_prefill_chunk,
-                            enable_prefix_caching=config.enable_prefix_caching),
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            local_prefill=config.local_prefill),
             self.latency_model, BlockManager(self.executor.num_ranks, self.executor.kv.num_pages,
                                              ec.page_size))
         self.core = EngineCore(self.scheduler, self.executor)
@@ -194,7 +198,8 @@ class Engine:
                                       ).for_buckets(ex.buckets.tokens)
             except ValueError as exc:  # e.g. more sp ranks than KV heads
                 log.warning("no roofline for this mesh (%s); using the built-in estimate", exc)
-        return default_latency_model(m.num_layers, ex.num_ranks)
+        # Priced on the executor's token buckets: a step's linears run the padded shape.
+        return default_latency_model(m.num_layers, ex.num_ranks).for_buckets(ex.buckets.tokens)
 
     def set_latency_model(self, model: LatencyModel) -> None:
         """Price iterations with ``model`` from the next one on."""
@@ -368,9 +373,7 @@ class Engine:
         preemption, which replays those ids, samples under the right state.
         """
         matchers, fixed, min_tokens = self._matchers, self._fixed_masks, self._min_tokens
-        rows = [p.request_id for p in plan.prefill if p.completes]
-        rows += [d.request_id for d in plan.decode]
-        rows = [r for r in rows if r in matchers or r in fixed or r in min_tokens]
+        rows = [r for r in plan.sampling_ids if r in matchers or r in fixed or r in min_tokens]
         if not rows:
             return plan
         grammar_rows: list[int] = []

@@ -111,6 +111,7 @@ class SharedInputs:
     num_seqs: jax.Array  # i32[1]
     transfer_start: jax.Array  # i32[N] first transfer group bound for decode rank d
     transfer_count: jax.Array  # i32[N] transfer groups bound for decode rank d
+    load_count: jax.Array  # i32[N] cached pages rank s sends (the head of its load_src)
 
 
 @jax.tree_util.register_dataclass
@@ -190,7 +191,7 @@ class StepBatch:
             perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
             cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),
             num_seqs=np.zeros((1,), i32), transfer_start=np.zeros((n,), i32),
-            transfer_count=np.zeros((n,), i32))
+            transfer_count=np.zeros((n,), i32), load_count=np.zeros((n,), i32))
         return cls(rank, shared, sample)
 
     @staticmethod

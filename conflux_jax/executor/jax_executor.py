@@ -680,11 +680,12 @@ class JaxExecutor:
         shape = self.planner.shape_for(
             prefill_max=max(n_p), decode_max=max(n_d),
             combined_max=max(a + b for a, b in zip(n_p, n_d, strict=True)),
-            decode_pages_max=max((len(s.pages) for s in plan.decode), default=1),
+            decode_pages_max=max((len(s.pages) for s in (*plan.decode, *plan.local_prefill)),
+                                 default=1),
             transfer_max=max(groups_moved, load_groups))
         p = shape.prefill
         biased = any(p.completes and p.sampling.logit_bias for p in plan.prefill) or \
-            any(d.sampling.logit_bias for d in plan.decode)
+            any(d.sampling.logit_bias for d in (*plan.decode, *plan.local_prefill))
         batch = self._padding(shape, False, bool(plan.histories), biased)
         a, meta, rows_in = batch.rank, batch.shared, batch.sample
         rows: dict[int, tuple[int, int]] = {}
@@ -757,23 +758,37 @@ class JaxExecutor:
             meta.perm[kernel_pos:] = np.flatnonzero(~used_a2a)
             meta.inverse[meta.perm] = np.arange(n * p, dtype=np.int32)
 
-        # Decode: after the rank's prefill tokens.
+        # Decode slice, after the rank's prefill tokens: one row per decode slot, and one
+        # per local prefill token (each attends to the KV up to and including itself: the
+        # slice writes every row's KV before any row reads).
         dcount = [0] * n
-        for slot in plan.decode:
-            r = slot.rank
-            if not slot.pages:
-                raise ValueError(f"decode slot of request {slot.request_id} has no pages")
+
+        def add_row(r: int, req: int, token: int, position: int, pages: tuple[int, ...]
+                    ) -> int:
+            if not pages:
+                raise ValueError(f"decode row of request {req} has no pages")
             j = dcount[r]
             dcount[r] += 1
             index = fill[r] + j
-            position = slot.position
-            a.tokens[r, index] = slot.token_id
+            a.tokens[r, index] = token
             a.positions[r, index] = position
             a.decode_index[r, j] = index
-            a.decode_slot[r, j] = slot.pages[position // ps] * ps + position % ps
+            a.decode_slot[r, j] = pages[position // ps] * ps + position % ps
             a.decode_kv_len[r, j] = position + 1
-            a.decode_pages[r, j, :len(slot.pages)] = slot.pages
-            add_sample(r, index, slot.request_id, slot.sampling, slot.sample_step)
+            a.decode_pages[r, j, :len(pages)] = pages
+            return index
+
+        for lp in plan.local_prefill:
+            if len(lp.token_ids) != lp.length or lp.length < 1:
+                raise ValueError(f"local prefill of request {lp.request_id} carries "
+                                 f"{len(lp.token_ids)} token ids for {lp.length} tokens")
+            for i, token in enumerate(lp.token_ids):
+                index = add_row(lp.rank, lp.request_id, token, lp.start + i, lp.pages)
+            add_sample(lp.rank, index, lp.request_id, lp.sampling, lp.sample_step)
+        for slot in plan.decode:
+            index = add_row(slot.rank, slot.request_id, slot.token_id, slot.position,
+                            slot.pages)
+            add_sample(slot.rank, index, slot.request_id, slot.sampling, slot.sample_step)
         a.num_decode[:] = dcount
         if plan.token_masks:
             batch = dataclasses.replace(
@@ -864,15 +879,22 @@ class JaxExecutor:
         for j, page in enumerate(piece.load_pages):
             y = sent[owner]
             sent[owner] += 1
+            batch.shared.load_count[owner] += 1
             a.load_src[owner, y] = page
             for q in range(n):
                 a.load_dst[q, owner * per_rank + y] = piece.pages[q][j // n] * n + j % n
 
     def transfer_bytes(self, batch: StepBatch) -> int:
-        """Bytes one step's KV transfer sends over links (K and V, every layer): each moved
-        page group is N decode pages, N-1 of which leave another rank."""
-        return transfer_link_bytes(self.step_config, int(batch.shared.transfer_count.sum()),
-                                   self.dtype.itemsize)
+        """Bytes one step's KV transfer and prefix-cache loads send over links (K and V,
+        every layer): each moved page group is N decode pages, N-1 of which leave another
+        rank; each loaded cached page leaves its owner in N-1 of its N head shards (N
+        loaded pages weigh one moved group)."""
+        cfg, n = self.step_config, self.num_ranks
+        moved = transfer_link_bytes(cfg, int(batch.shared.transfer_count.sum()),
+                                    self.dtype.itemsize)
+        loaded = transfer_link_bytes(cfg, int(batch.shared.load_count.sum()),
+                                     self.dtype.itemsize)
+        return moved + loaded // n
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

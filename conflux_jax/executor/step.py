@@ -136,8 +136,8 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
 
             qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
             if x_groups:
-                kp = _load_cached(kp, layer, base, b, view)
-                vp = _load_cached(vp, layer, base, b, view)
+                kp = _load_cached(kp, layer, base, b, meta, view)
+                vp = _load_cached(vp, layer, base, b, meta, view)
             kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
             vp = _write_stacked(vp, layer, va, b.prefill_slot, view)
             if x_groups:
@@ -232,24 +232,49 @@ def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base:
 
 
 def _load_cached(pool: jax.Array, layer: jax.Array, base: jax.Array, b: RankInputs,
-                 view: tuple[int, ...]) -> jax.Array:
+                 meta: SharedInputs, view: tuple[int, ...]) -> jax.Array:
     """Copy cached prefixes' KV from their owners' decode pages into prefill pages.
 
     pool f[L, pages, ps, Hkv, d]; ``view`` the prefill view of one layer. Every rank sends
-    head shard q of each cached page it owns (``b.load_src``) to rank q: a dense
-    all-to-all, since every rank needs a slice of every page. A received page lands in
-    one ``ps``-token sub-page of a prefill page (``b.load_dst``; -1 drops padding).
+    head shard q of each cached page it owns (the first ``meta.load_count[me]`` of
+    ``b.load_src``) to rank q: every rank needs a slice of every page. A received page
+    lands in one ``ps``-token sub-page of a prefill page (``b.load_dst``; -1 drops padding).
     """
     _, _, ps, hkv, hd = pool.shape
     n = view[1] // ps
     src = _layers_as_pages(pool, pool.shape[1:])[b.load_src + base]  # [Y, ps, Hkv, d]
     y = src.shape[0]
     shards = jnp.moveaxis(src.reshape(y, ps, n, hkv // n, hd), 2, 0)  # [N, Y, ps, Hkv/N, d]
-    recv = jax.lax.all_to_all(shards.reshape(n * y, ps, hkv // n, hd), SP, 0, 0, tiled=True)
+    recv = _send_shards(shards.reshape(n * y, ps, hkv // n, hd), meta.load_count)
     slots = jnp.where(b.load_dst[:, None] >= 0,
                       b.load_dst[:, None] * ps + jnp.arange(ps, dtype=jnp.int32), -1)
     return _write_stacked(pool, layer, recv.reshape(n * y * ps, hkv // n, hd),
                           slots.reshape(-1), view)
+
+
+def _send_shards(shards: jax.Array, count: jax.Array) -> jax.Array:
+    """Send block q of ``shards`` f[N*Y, ...] (rows q*Y..) to rank q; ``count`` i32[N] (the
+    same on every rank): the live rows of each sender's blocks. Returns f[N*Y, ...]: rows
+    ``s*Y + j`` are sender s's j-th row (defined for j < count[s]).
+
+    On GPU and TPU a ragged all-to-all sends only the live rows; XLA:CPU has none, so
+    there a dense all-to-all sends every block whole (simulated ranks share host memory).
+    """
+    n = count.shape[0]
+    y = shards.shape[0] // n
+    me = jax.lax.axis_index(SP)
+
+    def ragged(shards: jax.Array, count: jax.Array) -> jax.Array:
+        return jax.lax.ragged_all_to_all(
+            shards, jnp.zeros_like(shards), jnp.arange(n, dtype=jnp.int32) * y,
+            jnp.full((n,), count[me], jnp.int32), jnp.full((n,), me * y, jnp.int32),
+            count.astype(jnp.int32), axis_name=SP)
+
+    def dense(shards: jax.Array, count: jax.Array) -> jax.Array:
+        del count
+        return jax.lax.all_to_all(shards, SP, 0, 0, tiled=True)
+
+    return jax.lax.platform_dependent(shards, count, cpu=dense, default=ragged)
 
 
 def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:

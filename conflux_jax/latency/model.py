@@ -72,7 +72,8 @@ class BatchShape:
     """The workload features of one iteration that the latency model depends on.
 
     ``n_p``/``n_d``: prefill/decode tokens per rank; ``w_d``: summed decode context
-    per rank (each decode attends to its KV length + 1); ``a_p``: total causal prefill
+    per rank (each decode attends to its KV length + 1; local prefill rows count here too:
+    they run in the decode slice); ``a_p``: total causal prefill
     attention work sum_i l_i*(c_i + (l_i+1)/2) over all chunks of the iteration; ``x_kv``:
     the KV tokens (all heads) that completing prefills move to the busiest decode rank.
     """
@@ -89,10 +90,14 @@ class BatchShape:
 
     @classmethod
     def from_plan(cls, plan: IterationPlan, num_ranks: int) -> BatchShape:
-        """Features of a plan (each decode slot attends to its ``position + 1`` tokens)."""
+        """Features of a plan (each decode slot attends to its ``position + 1`` tokens; a
+        local prefill's tokens are decode rows of its rank, each over the prefix and the
+        suffix up to itself)."""
         w_d = [0] * num_ranks
         for d in plan.decode:
             w_d[d.rank] += d.position + 1
+        for lp in plan.local_prefill:
+            w_d[lp.rank] += int(attention_work(lp.length, lp.start))  # l(l+1)/2 is whole
         a_p = sum(attention_work(p.length, p.start) for p in plan.prefill)
         return cls(tuple(plan.prefill_per_rank(num_ranks)),
                    tuple(plan.decode_per_rank(num_ranks)), tuple(w_d), a_p,

@@ -49,6 +49,10 @@ class SchedulerConfig:
     min_prefill_chunk: int = 0
     # Automatic prefix caching (vLLM's default): prompts reuse cached KV of full pages.
     enable_prefix_caching: bool = True
+    # A hit whose uncached suffix the owner rank can take whole this iteration prefills it
+    # there alone (decode-slice rows over the cached pages: no load, no transfer) when the
+    # latency model prices that at most the load + Ulysses path (``LocalPrefill``).
+    local_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.order not in ("slo", "fcfs", "srpt"):

@@ -25,15 +25,19 @@ Guarantees:
 Prefix caching (``SchedulerConfig.enable_prefix_caching``): a waiting request looks up
 its prompt's full pages in the block manager's cache; the longest hit on any rank (its
 *owner*) is taken when its prefill starts, so only the rest is prefilled, priced and
-admitted. Its first chunk loads the cached KV's head shards from the owner into the
-prefill pages of every rank (Ulysses attention reads them like its own earlier chunks);
-its decode home is the owner when the owner has room (the cached pages then stay where
-they are and only the new KV moves), otherwise the placement rule's rank. Pages are
-named in the cache at ``commit``, once their KV is written. A waiting request whose next
-uncached pages another request is prefilling right now (the ``n`` choices of one prompt,
-or any two prompts sharing a long head) waits for that prefill to name them, when they
-are at least half of what it has left to prefill: it then prefills only its own tail,
-and decodes on the same pages.
+admitted. When the owner can decode it and take its whole uncached suffix this
+iteration, and the latency model prices that at most the other path, the suffix is a
+:class:`~conflux_jax.plan.LocalPrefill`: it runs on the owner alone, in the decode slice,
+over the cached pages that become the head of its decode pages (nothing is loaded or
+moved). Otherwise its first chunk loads the cached KV's head shards from the owner into
+the prefill pages of every rank (Ulysses attention reads them like its own earlier
+chunks); its decode home is the owner when the owner has room (the cached pages then
+stay where they are and only the new KV moves), otherwise the placement rule's rank.
+Pages are named in the cache at ``commit``, once their KV is written. A waiting request
+whose next uncached pages another request is prefilling right now (the ``n`` choices of
+one prompt, or any two prompts sharing a long head) waits for that prefill to name them,
+when they are at least half of what it has left to prefill: it then prefills only its
+own tail, and decodes on the same pages.
 
 ``abort``/``finish`` between ``schedule`` and ``commit`` take effect at ``commit`` so an
 executor never reads freed pages.
@@ -45,7 +49,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from conflux_jax.latency import LatencyModel, attention_work
-from conflux_jax.plan import DecodeSlot, IterationPlan, PrefillPiece, StepResult
+from conflux_jax.plan import DecodeSlot, IterationPlan, LocalPrefill, PrefillPiece, StepResult
 from conflux_jax.scheduler.admission import moore_hodgson
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
@@ -68,6 +72,7 @@ class _Tentative:
     placed: int = 0  # completing chunks so far
     moved: int = 0  # KV page groups those completions move to decode ranks
     loaded: list[int] = dataclasses.field(default_factory=list)  # cached pages sent, per rank
+    rows: list[int] = dataclasses.field(default_factory=list)  # decode-slice rows per rank
 
 
 class Scheduler:
@@ -101,6 +106,8 @@ class Scheduler:
         self._prefilling: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were served from it
+        self.local_prefills = 0  # hits whose suffix ran on the owner alone
+        self.local_prefill_tokens = 0  # their suffix tokens
 
     # ---- request intake and exit ----------------------------------------------------
     def fits(self, req: Request) -> bool:
@@ -201,39 +208,40 @@ class Scheduler:
                          for st in self._decodes.values()), default=default)
         preempted: list[int] = []
         mode = self.cfg.mode
+        local: list[LocalPrefill] = []
         if mode == "isolated" and self._pending:
             pieces, est = self._dispatch_simple(now, preempted, isolated=True)
             if pieces:
                 return self._plan(tuple(pieces), (), est, "isolated_prefill", preempted)
         slots = self._grow_decodes(preempted)
         if mode == "conflux":
-            pieces, est = self._dispatch_conflux(now, preempted)
+            pieces, est = self._dispatch_conflux(now, preempted, local)
         elif mode == "tp_chunked":
             pieces, est = self._dispatch_simple(now, preempted, isolated=False)
         else:
             pieces, est = [], self._decode_only_estimate()
         plan_mode = "isolated_decode" if mode == "isolated" else mode
-        return self._plan(tuple(pieces), slots, est, plan_mode, preempted)
+        return self._plan(tuple(pieces), slots, est, plan_mode, preempted, tuple(local))
 
     def _plan(self, pieces: tuple[PrefillPiece, ...], slots: tuple[DecodeSlot, ...],
-              est: float, mode: str, preempted: list[int]) -> IterationPlan:
+              est: float, mode: str, preempted: list[int],
+              local: tuple[LocalPrefill, ...] = ()) -> IterationPlan:
         released = tuple(self._released)
         self._released = []
-        return IterationPlan(prefill=pieces, decode=slots, estimated_latency_s=est,
+        plan = IterationPlan(prefill=pieces, decode=slots, estimated_latency_s=est,
                              mode=mode, released=released,  # type: ignore[arg-type]
                              preempted=tuple(preempted), fits_slo=est <= self._tau,
-                             histories=self._histories(pieces, slots))
+                             local_prefill=local)
+        if self._penalized:
+            plan = dataclasses.replace(plan, histories=self._histories(plan))
+        return plan
 
-    def _histories(self, pieces: tuple[PrefillPiece, ...], slots: tuple[DecodeSlot, ...]
+    def _histories(self, plan: IterationPlan
                    ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Prompt and output tokens of the penalized requests that sample this iteration
         (the penalties count them on the device)."""
-        if not self._penalized:
-            return {}
-        sampling = {p.request_id for p in pieces if p.completes}
-        sampling.update(d.request_id for d in slots)
         return {rid: (st.req.prompt_token_ids, tuple(st.output_ids))
-                for rid in self._penalized & sampling
+                for rid in self._penalized.intersection(plan.sampling_ids)
                 if (st := self._states[rid]) is not None}
 
     def commit(self, plan: IterationPlan, result: StepResult | None = None) -> list[int]:
@@ -243,32 +251,40 @@ class Scheduler:
         bm = self.blocks
         sampled = None if result is None else result.sampled
         states = self._states
+        completed: list[tuple[RequestState, int]] = []
         for p in plan.prefill:
             st = states.get(p.request_id)
             if st is None or st.phase != "prefill":
                 continue
             st.prefilled += p.length
             if p.completes:
-                rid, rank = st.id, p.decode_rank
-                assert rank is not None
-                bm.release_prefill(rid)
-                if self._caching and result is not None:  # only KV that was written
-                    bm.register(rid, self._hashes(st, st.prefilled))
-                self._unclaim(st)
-                del self._pending[rid]
-                st.phase = "decode"
-                st.rank = rank
-                st.kv_len = st.prefilled
-                st.kv_cap = bm.decode_pages_for(st.prefilled + 1) * bm.page_size
-                st.pages = bm.decode_pages(rid)
-                self._decodes[rid] = st
-                self._n_d[rank] += 1
-                self._ctx[rank] += st.kv_len
-                st.generated += 1
-                if sampled is not None:
-                    st.output_ids.append(sampled[rid].token)
-                if st.generated >= st.req.max_new_tokens:
-                    finished.append(rid)
+                assert p.decode_rank is not None
+                completed.append((st, p.decode_rank))
+        for lp in plan.local_prefill:
+            st = states.get(lp.request_id)
+            if st is not None and st.phase == "prefill":
+                st.prefilled += lp.length
+                completed.append((st, lp.rank))
+        for st, rank in completed:
+            rid = st.id
+            bm.release_prefill(rid)
+            if self._caching and result is not None:  # only KV that was written
+                bm.register(rid, self._hashes(st, st.prefilled))
+            self._unclaim(st)
+            del self._pending[rid]
+            st.phase = "decode"
+            st.rank = rank
+            st.kv_len = st.prefilled
+            st.kv_cap = bm.decode_pages_for(st.prefilled + 1) * bm.page_size
+            st.pages = bm.decode_pages(rid)
+            self._decodes[rid] = st
+            self._n_d[rank] += 1
+            self._ctx[rank] += st.kv_len
+            st.generated += 1
+            if sampled is not None:
+                st.output_ids.append(sampled[rid].token)
+            if st.generated >= st.req.max_new_tokens:
+                finished.append(rid)
         ctx = self._ctx
         decodes = self._decodes
         ps = bm.page_size if self._caching and result is not None else 0
@@ -395,22 +411,32 @@ class Scheduler:
         bm = self.blocks
         started = st.phase == "prefill"
         if not started and st.cache_pages:
-            rank_h, hit = bm.longest_hit(st.page_hashes[:len(st.cache_pages)])
-            if rank_h != st.cache_rank or tuple(hit) != st.cache_pages:
-                self._look_up(st, exact=True)  # evicted since it was priced: next time
+            if not self._hit_holds(st):
                 return _SKIP
-            bm.acquire_hit(st.id, rank_h, hit)
+            bm.acquire_hit(st.id, st.cache_rank, st.cache_pages)
         rank = self._reserve_pages(st, completes, started, tent_ctx, tent_n, in_plan, placed)
         if not started:
             if rank in (_SKIP, _STOP):
                 if st.id in bm:  # give back the cached prefix it took
                     bm.free(st.id)
             elif self._caching:
-                self.prefix_queries += st.target
-                self.prefix_hits += st.cached
-                if st.preemptions == 0:
-                    st.cached_tokens = st.cached
+                self._count_hit(st)
         return rank
+
+    def _count_hit(self, st: RequestState) -> None:
+        """A prefill starts: count its prompt tokens and cached ones (the metrics)."""
+        self.prefix_queries += st.target
+        self.prefix_hits += st.cached
+        if st.preemptions == 0:
+            st.cached_tokens = st.cached
+
+    def _hit_holds(self, st: RequestState) -> bool:
+        """Is the hit ``st`` was priced by still cached? (Else it is looked up again.)"""
+        rank, hit = self.blocks.longest_hit(st.page_hashes[:len(st.cache_pages)])
+        if rank != st.cache_rank or tuple(hit) != st.cache_pages:
+            self._look_up(st, exact=True)  # evicted since it was priced: next time
+            return False
+        return True
 
     def _reserve_pages(self, st: RequestState, completes: bool, started: bool,
                        tent_ctx: list[int], tent_n: list[int], in_plan: set[int],
@@ -586,16 +612,17 @@ class Scheduler:
         return cap is None or moved == 0 or \
             moved + self.blocks.prefill_pages_for(st.target) <= cap
 
-    def _dispatch_conflux(self, now: float,
-                          preempted: list[int]) -> tuple[list[PrefillPiece], float]:
+    def _dispatch_conflux(self, now: float, preempted: list[int], local: list[LocalPrefill]
+                          ) -> tuple[list[PrefillPiece], float]:
+        """Prefill pieces (and, into ``local``, local prefills) of a conflux iteration."""
         n_d, ctx = self._n_d, self._ctx
-        disp = Dispatcher(self.model, self._tau, n_d, self._decode_path(),
-                          self.cfg.quantum, self.cfg.max_tokens_per_rank)
+        disp = Dispatcher(self.model, self._tau, n_d, self._decode_path(), self.cfg.quantum,
+                          self.cfg.max_tokens_per_rank, decode_work=self._decode_work())
         pieces: list[PrefillPiece] = []
         if not self._pending:
             return pieces, disp.estimate()
         self._preempted_now = preempted
-        tent = _Tentative(list(ctx), list(n_d), loaded=[0] * self.n)
+        tent = _Tentative(list(ctx), list(n_d), loaded=[0] * self.n, rows=list(n_d))
         max_pieces = self.cfg.max_prefill_pieces
         cands, n_overdue = self._candidates(now, preempted, disp)
         for i, st in enumerate(cands):  # Alg. 1 line 5
@@ -605,6 +632,12 @@ class Scheduler:
                 continue
             rem = st.remaining
             load = self._load(st)
+            if load and st.phase == "waiting" and self.cfg.local_prefill:
+                if (lp := self._local(st, disp, tent)) is not None:
+                    local.append(lp)
+                    continue
+                if self._load(st) != load:  # its hit was evicted: priced anew next time
+                    continue
             length, add = disp.dispatch(rem, st.prefilled, load)  # Alg. 1 line 6 (Alg. 2)
             # A chunk that runs even past the TBT budget (the plan then says it does not
             # fit): the oldest overdue request always progresses (bounded waiting), an
@@ -640,6 +673,46 @@ class Scheduler:
                         piece.resident_tokens, st.cache_rank, load)
             pieces.append(piece)
         return pieces, disp.estimate()
+
+    def _local(self, st: RequestState, disp: Dispatcher, tent: _Tentative
+               ) -> LocalPrefill | None:
+        """Prefill waiting ``st``'s uncached suffix on its owner rank alone, if the owner
+        can decode it and hold the whole suffix in this iteration's decode slice, and the
+        latency model prices it within the TBT budget and at most the load + Ulysses path
+        (that path's transfer and load against the owner's extra rows); else None."""
+        bm, cfg = self.blocks, self.cfg
+        owner, c, length = st.cache_rank, st.cached, st.remaining
+        cap = cfg.max_decodes_per_rank
+        if cap is not None and (tent.n[owner] >= cap or tent.rows[owner] + length > cap):
+            return None
+        if disp.loads[owner] + length > cfg.max_tokens_per_rank:
+            return None
+        t_local = disp.estimate_local(owner, length, c)
+        # The other path: the suffix waterfilled, moved to the owner after the cached
+        # prefix is loaded from it (both cross the owner's links).
+        if t_local > self._tau or t_local > disp.estimate_ulysses(length, c, length + c):
+            return None
+        if not self._hit_holds(st):
+            return None
+        bm.acquire_hit(st.id, owner, st.cache_pages)  # cached-free pages are free no more
+        need = bm.decode_pages_for(st.target + 1) - len(st.cache_pages)
+        if need + cfg.headroom_pages > bm.free_pages(owner):
+            bm.free(st.id)
+            return None
+        bm.transition(st.id, owner, st.target + 1)
+        st.phase = "prefill"
+        self._claim_pages(st)
+        self._count_hit(st)
+        disp.commit_local(owner, length, c)
+        self.local_prefills += 1
+        self.local_prefill_tokens += length
+        tent.ctx[owner] += st.target + 1
+        tent.n[owner] += 1
+        tent.rows[owner] += length
+        tent.in_plan.add(st.id)
+        return LocalPrefill(st.id, owner, c, token_ids=st.token_ids(c, st.target),
+                            pages=bm.decode_pages(st.id), sampling=st.req.sampling,
+                            sample_step=st.generated, length=length)
 
     def _room(self, loads: list[int]) -> int:
         """Tokens the ranks' token buckets still hold this iteration."""
@@ -692,10 +765,13 @@ class Scheduler:
                                        max(moved))
         return pieces, est
 
+    def _decode_work(self) -> list[int]:
+        """Decode attention work per rank of the resident decodes (context + 1 each)."""
+        return [c + d for c, d in zip(self._ctx, self._n_d, strict=True)]
+
     def _decode_path(self) -> float:
-        """T_D of this iteration's resident decodes (each attends to its context + 1)."""
-        w = [c + d for c, d in zip(self._ctx, self._n_d, strict=True)]
-        return self.model.decode_path(self.model.decode_work(w))
+        """T_D of this iteration's resident decodes."""
+        return self.model.decode_path(self.model.decode_work(self._decode_work()))
 
     def _decode_only_estimate(self) -> float:
         return self.model.iteration(max(self._n_d), 0, 0.0, self._decode_path())

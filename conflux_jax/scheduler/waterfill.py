@@ -66,10 +66,11 @@ class Dispatcher:
     """Per-iteration waterfill state over N ranks (combined loads, prefill shards)."""
 
     __slots__ = ("model", "tau", "q", "max_level", "loads", "n_p", "a_p", "t_d", "n",
-                 "moved")
+                 "moved", "w_d")
 
     def __init__(self, model: LatencyModel, tau: float, decode_tokens: Sequence[int],
-                 t_d: float, quantum: int = 16, max_level: int = 8192) -> None:
+                 t_d: float, quantum: int = 16, max_level: int = 8192,
+                 decode_work: Sequence[float] | None = None) -> None:
         self.model = model
         self.tau = tau
         self.q = max(1, quantum)
@@ -80,6 +81,9 @@ class Dispatcher:
         self.a_p = 0.0
         self.t_d = t_d
         self.moved = [0] * self.n  # KV tokens completing prefills move to each decode rank
+        # Per-rank decode-slice attention work behind ``t_d`` (needed to add local
+        # prefills; None: ``t_d`` is fixed).
+        self.w_d = None if decode_work is None else list(decode_work)
 
     # ---- latency of the current state plus an optional addition --------------------
     def estimate(self, add: Sequence[int] | None = None, extra_work: float = 0.0,
@@ -93,6 +97,34 @@ class Dispatcher:
         g = max(x + a for x, a in zip(self.loads, add, strict=True))
         c = max(x + a for x, a in zip(self.n_p, add, strict=True))
         return self.model.iteration(g, c, self.a_p + extra_work, self.t_d, x_kv)
+
+    def _decode_path_with(self, rank: int, work: float) -> float:
+        if self.w_d is None:
+            raise ValueError("a Dispatcher built without decode_work cannot add local rows")
+        w = list(self.w_d)
+        w[rank] += work
+        return self.model.decode_path(self.model.decode_work(w))
+
+    def estimate_local(self, rank: int, length: int, c: int) -> float:
+        """The iteration's latency with a ``length``-token local prefill after ``c``
+        cached tokens on ``rank`` (decode-slice rows: its linears, its attention)."""
+        g = max(max(self.loads), self.loads[rank] + length)
+        return self.model.iteration(g, max(self.n_p), self.a_p,
+                                    self._decode_path_with(rank, attention_work(length, c)),
+                                    max(self.moved))
+
+    def estimate_ulysses(self, length: int, c: int, moved: int) -> float:
+        """The iteration's latency with a ``length``-token chunk after ``c`` done,
+        waterfilled over the ranks, that moves ``moved`` KV tokens (load and transfer)."""
+        return self.estimate(waterfill_assign(self.loads, length), attention_work(length, c),
+                             moved)
+
+    def commit_local(self, rank: int, length: int, c: int) -> None:
+        """Accumulate a local prefill (see :meth:`estimate_local`)."""
+        self.t_d = self._decode_path_with(rank, attention_work(length, c))
+        assert self.w_d is not None
+        self.w_d[rank] += attention_work(length, c)
+        self.loads[rank] += length
 
     def _fits_level(self, level: int) -> bool:
         """Budget mode: the full fill of ``level`` meets the SLO (candidate omitted)."""

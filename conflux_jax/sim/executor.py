@@ -56,8 +56,7 @@ class SimExecutor:
         latency = self.price(plan)
         if self.noise:
             latency *= max(0.0, 1.0 + self._rng.gauss(0.0, self.noise))
-        sampled = {p.request_id: _TOKEN for p in plan.prefill if p.completes}
-        sampled.update((d.request_id, _TOKEN) for d in plan.decode)
+        sampled = dict.fromkeys(plan.sampling_ids, _TOKEN)
         self._now += latency
         self.busy_s += latency
         self.iterations += 1

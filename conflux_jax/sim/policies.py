@@ -108,6 +108,8 @@ class InstanceSpec:
     # The engine's prefix cache, bounded by the simulated KV pool (requests that name
     # their blocks hit it); DistServe's prefill instances get the same cache.
     prefix_caching: bool = True
+    # A hit's short suffix may run on its owner rank alone (SchedulerConfig.local_prefill).
+    local_prefill: bool = True
 
     @property
     def mode(self) -> str:
@@ -172,7 +174,8 @@ def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecu
     pages = kv_tokens_per_rank(spec.model, spec.hardware, tp) // PAGE_SIZE
     kw: dict = dict(tbt_slo_s=spec.tbt_slo_s, ttft_slo_s=spec.ttft_slo_s, order=order,
                     mode=mode, overdue_grace_s=None if spec.bounded_wait else math.inf,
-                    enable_prefix_caching=spec.prefix_caching)
+                    enable_prefix_caching=spec.prefix_caching,
+                    local_prefill=spec.local_prefill)
     if mode == "mux":
         kw["mode"] = "conflux"  # one TP rank whose largest TBT-safe chunk waterfill finds
         kw["max_tokens_per_rank"] = tokens_per_rank(mode)

@@ -29,7 +29,8 @@ from conflux_jax.tokenizer import Tokenizer
 needs4 = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
 
 
-def tiny_engine(*_: object, enable_prefix_caching: bool = True, **__: object) -> Engine:
+def tiny_engine(*_: object, enable_prefix_caching: bool = True, local_prefill: bool = True,
+                **__: object) -> Engine:
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
         {f"w{i}": i for i in range(TINY_LLAMA.vocab_size)}, unk_token="w0"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -38,7 +39,8 @@ def tiny_engine(*_: object, enable_prefix_caching: bool = True, **__: object) ->
     return Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=1, scale=0.2),
                   Tokenizer(backend, eos_token_ids=(2,)),
                   EngineConfig(executor=ec, ttft_slo_s=5.0, tbt_slo_s=1.0,
-                               enable_prefix_caching=enable_prefix_caching))
+                               enable_prefix_caching=enable_prefix_caching,
+                               local_prefill=local_prefill))
 
 
 @needs4
@@ -137,8 +139,9 @@ def test_multi_turn_chats_and_the_brute_force_reuse_count() -> None:
 @needs4
 def test_serve_cli_prefix_caching_ab_on_a_multi_turn_replay(tmp_path, monkeypatch, capsys
                                                             ) -> None:
-    """Caching on vs off on the same chats: the engine's cached tokens are counted by the
-    replay and match what the replay made reusable; off caches nothing."""
+    """Caching on vs off on the same chats, and on without owner-alone suffixes: the
+    engine's cached tokens are counted by the replay and match what the replay made
+    reusable; off caches nothing."""
     monkeypatch.setattr(serve, "engine_from_model", tiny_engine)
     rows = [{"timestamp": 10 * i, "input_length": 1500, "output_length": 64,
              "hash_ids": [0, 1, 100 + i]} for i in range(6)]
@@ -149,12 +152,16 @@ def test_serve_cli_prefix_caching_ab_on_a_multi_turn_replay(tmp_path, monkeypatc
                  "--rates", "4", "--prompt-scale", "0.01", "--max-prompt-len", "16",
                  "--output-scale", "0.1", "--max-output-len", "6", "--turn-prompt-scale",
                  "0.004", "--ttft-slo", "30", "--tbt-slo", "10", "--max-model-len", "128",
-                 "--warmup", "0", "--prefix-caching-ab", "--json", str(out)]) == 0
+                 "--warmup", "0", "--prefix-caching-ab", "--local-prefill-ab",
+                 "--json", str(out)]) == 0
     d = json.loads(out.read_text())
-    on, off = (t["rates"]["4"] for t in d["targets"].values())
-    assert on["completed"] == off["completed"] == 6
+    on, loads_only, off = (t["rates"]["4"] for t in d["targets"].values())
+    assert on["completed"] == off["completed"] == loads_only["completed"] == 6
     assert off["total_cached_tokens"] == 0 and on["total_cached_tokens"] > 0
+    assert loads_only["total_cached_tokens"] > 0
+    assert d["local_prefill_ab"]["4"]["ttft_p50_load_over_local"] > 0
     ab = d["prefix_caching_ab"]["4"]
     assert ab["cached_tokens"] == on["total_cached_tokens"]
     assert ab["cached_over_reusable_in_pool"] >= 0.9
-    assert "prefix caching on vs off" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prefix caching on vs off" in printed and "owner-alone suffixes on vs off" in printed

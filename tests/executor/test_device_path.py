@@ -84,7 +84,8 @@ def _lower(ex: JaxExecutor, shape: StepShape, platform: str) -> str:
 @pytest.mark.parametrize("case", list(CASES))
 def test_whole_step_lowers_for_cuda(case: str, monkeypatch) -> None:
     """The step with the compiled kernel (impl="pallas") lowers to Triton for CUDA from this
-    CPU machine, the KV transfer as a ragged all-to-all (no gather to every rank)."""
+    CPU machine, the KV transfer and the prefix-cache loads as ragged all-to-alls (no
+    gather to every rank)."""
     monkeypatch.setattr(kernel_common, "on_gpu", lambda: True)  # allow impl="pallas" here
     config, mesh = CASES[case]
     ex, _ = _executor(config, mesh, "pallas")
@@ -93,7 +94,9 @@ def test_whole_step_lowers_for_cuda(case: str, monkeypatch) -> None:
     assert mixed.prefill and mixed.decode and mixed.transfer
     decode_only = ex.planner.shape_for(0, 3, 3, 4)
     text = _lower(ex, mixed, "cuda")
-    assert "triton" in text and "ragged_all_to_all" in text and "all_gather" not in text
+    assert "triton" in text and "all_gather" not in text
+    # K and V of the transfer and of the prefix-cache loads: all ragged (only live pages)
+    assert text.count("ragged_all_to_all") == 4, text.count("ragged_all_to_all")
     text = _lower(ex, decode_only, "cuda")
     assert "triton" in text and "all_to_all" not in text  # decode stays on its rank
 

@@ -1,14 +1,16 @@
 """The prefix cache: chained page hashes, one rank's LRU page pool, and the scheduler's use
 of both over random shared-prefix workloads (simulated executor)."""
 
+import dataclasses
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from conflux_jax.latency import BatchShape
 from conflux_jax.latency.roofline import roofline_model
-from conflux_jax.plan import KVSpec
+from conflux_jax.plan import KVSpec, LocalPrefill
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
 from conflux_jax.scheduler.prefix_cache import (
@@ -93,18 +95,21 @@ def _workload(seed: int, count: int) -> list[Request]:
 
 
 def _run(reqs: list[Request], n: int, num_pages: int, abort_frac: float, seed: int,
-         mode: str = "conflux"):
+         mode: str = "conflux", local: bool = True):
+    """Run ``reqs`` to the end; returns (scheduler, block manager, hits served by a load,
+    hits served locally, hits of a preempted request's recompute)."""
     cfg = SchedulerConfig(tbt_slo_s=0.05, ttft_slo_s=1.0, mode=mode,  # type: ignore[arg-type]
                           order="fcfs" if mode != "conflux" else "slo", quantum=4,
                           max_tokens_per_rank=64, headroom_pages=1, token_budget=64,
-                          max_transfer_groups=4)
+                          max_transfer_groups=4, max_decodes_per_rank=16,
+                          local_prefill=local)
     model = roofline_model("qwen3-14b", "h100", sp=n, tp=4 // n)
     bm = BlockManager(n, num_pages, PS)
     sched = Scheduler(cfg, model, bm)
     ex = SimExecutor(model, KVSpec(n, num_pages, PS))
     rng = random.Random(seed)
     pending = sorted(reqs, key=lambda r: r.arrival_s)
-    loads, preempted_then_hit, seen_preempted = 0, 0, set()
+    loads, locals_, preempted_then_hit, seen_preempted = 0, 0, 0, set()
     while pending or sched.has_work:
         while pending and pending[0].arrival_s <= ex.now():
             sched.add(pending.pop(0))
@@ -122,57 +127,83 @@ def _run(reqs: list[Request], n: int, num_pages: int, abort_frac: float, seed: i
                 assert p.start == PS * len(p.load_pages)
                 assert p.load_rank is not None
                 assert p.resident_tokens <= p.start
+        for lp in plan.local_prefill:  # the suffix on the owner, over its cached pages
+            locals_ += 1
+            preempted_then_hit += lp.request_id in seen_preempted
+            assert lp.start % PS == 0 and lp.start > 0 and lp.length >= 1
+            assert len(lp.token_ids) == lp.length
+            assert len(lp.pages) == -(-(lp.start + lp.length + 1) // PS)
+            assert bm.decode_rank(lp.request_id) == lp.rank
+        assert max(plan.decode_per_rank(n)) <= 16  # the decode slice's rows
         if rng.random() < abort_frac and plan.request_ids:
             sched.abort(rng.choice(plan.request_ids))  # mid-iteration: deferred
         sched.commit(plan, ex.execute(plan) if not plan.empty else None)
         bm.check_consistency()
-    return sched, bm, loads, preempted_then_hit
+    return sched, bm, loads, locals_, preempted_then_hit
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=hs.integers(0, 10_000), n=hs.sampled_from([1, 2, 4]),
        num_pages=hs.sampled_from([24, 40, 200]), abort_frac=hs.sampled_from([0.0, 0.2]),
-       mode=hs.sampled_from(["conflux", "tp_chunked", "isolated"]))
+       mode=hs.sampled_from(["conflux", "tp_chunked", "isolated"]), local=hs.booleans())
 def test_random_shared_prefix_runs_leave_every_page_free(seed, n, num_pages, abort_frac,
-                                                         mode):
+                                                         mode, local):
     if mode == "tp_chunked":
         n = 1
-    sched, bm, _, _ = _run(_workload(seed, 40), n, num_pages, abort_frac, seed, mode)
+    sched, bm, *_ = _run(_workload(seed, 40), n, num_pages, abort_frac, seed, mode, local)
     assert not bm.requests
     assert all(bm.free_pages(r) == bm.num_pages for r in range(n))
     assert 0 <= sched.prefix_hits <= sched.prefix_queries
 
 
-def test_hits_are_priced_and_preempted_requests_find_their_own_prefix():
-    sched, bm, loads, preempted_then_hit = _run(_workload(1, 120), 4, 24, 0.0, 1)
-    assert loads > 10 and sched.prefix_hits > 0.2 * sched.prefix_queries
+@pytest.mark.parametrize("local", [True, False])
+def test_hits_are_priced_and_preempted_requests_find_their_own_prefix(local):
+    sched, bm, loads, locals_, preempted_then_hit = _run(_workload(1, 120), 4, 24, 0.0, 1,
+                                                         local=local)
+    # Both paths serve hits when the owner may prefill alone; only loads when it may not.
+    assert (locals_ > 5 and loads > 5) if local else (locals_ == 0 and loads > 10)
+    assert sched.prefix_hits > 0.2 * sched.prefix_queries
     assert sched.num_preemptions > 0 and preempted_then_hit > 0
     assert sum(bm.cached_pages(r) for r in range(4)) > 0  # cached pages outlive requests
 
 
-def _two_ranks() -> tuple[Scheduler, BlockManager, SimExecutor]:
+def _two_ranks(local: bool = True) -> tuple[Scheduler, BlockManager, SimExecutor]:
     model = roofline_model("qwen3-14b", "h100", sp=2, tp=2)
     bm = BlockManager(2, 64, PS)
-    sched = Scheduler(SchedulerConfig(tbt_slo_s=1.0, ttft_slo_s=10.0, quantum=4), model, bm)
+    sched = Scheduler(SchedulerConfig(tbt_slo_s=1.0, ttft_slo_s=10.0, quantum=4,
+                                      local_prefill=local), model, bm)
     return sched, bm, SimExecutor(model, KVSpec(2, 64, PS))
 
 
-def test_a_hit_prefills_only_the_uncached_suffix_and_decodes_on_the_owner():
-    sched, bm, ex = _two_ranks()
+@pytest.mark.parametrize("local", [True, False])
+def test_a_hit_prefills_only_the_uncached_suffix_and_decodes_on_the_owner(local):
+    """A short suffix runs on the owner alone over its cached pages (or, with that path
+    off, loads the prefix into every rank's prefill pages and moves only the suffix)."""
+    sched, bm, ex = _two_ranks(local)
     prompt = tuple(range(3, 30))  # 27 tokens: 6 full pages
+    owner, cached = -1, ()
     for rid, p in ((0, prompt), (1, prompt + (5, 6))):
         sched.add(Request(rid, 0.0, len(p), 2, prompt_token_ids=p))
         plan = sched.schedule(ex.now())
-        (piece,) = plan.prefill
         if rid == 0:
+            (piece,) = plan.prefill
             owner = piece.decode_rank
-            assert not piece.load_pages
+            assert not piece.load_pages and not plan.local_prefill
+        elif local:
+            (lp,) = plan.local_prefill
+            assert not plan.prefill
+            assert (lp.rank, lp.start, lp.length, lp.token_ids) == (owner, 24, 5, p[24:])
+            assert lp.pages[:6] == cached and len(lp.pages) == 8  # 30 tokens of KV
         else:
+            (piece,) = plan.prefill
             assert (piece.start, piece.length) == (24, 5)  # 6 cached pages, 5 tokens left
-            assert piece.load_rank == owner and len(piece.load_pages) == 6
+            assert piece.load_rank == owner and piece.load_pages == cached
             assert piece.decode_rank == owner and piece.resident_tokens == 24
+        if rid == 1:
             assert sched.state(1).cached_tokens == 24
         sched.commit(plan, ex.execute(plan))
+        if rid == 0:
+            cached = tuple(bm.decode_pages(0)[:6])
     assert sched.prefix_queries == 27 + 29 and sched.prefix_hits == 24
     while sched.has_work:
         plan = sched.schedule(ex.now())
@@ -220,11 +251,14 @@ def test_choices_of_one_prompt_wait_for_its_prefill_then_share_its_pages(caching
     assert first.completes and first.start == 0
     sched.commit(plan, ex.execute(plan))
     plan = sched.schedule(ex.now())
-    choices = [p for p in plan.prefill]
+    # The short tails run on the owner alone, over its pages.
+    choices = plan.local_prefill
+    assert not plan.prefill
     assert sorted(p.request_id for p in choices) == sorted({0, 1, 2, 3} - {first.request_id})
     for p in choices:
-        assert (p.start, p.length) == (24, 3) and p.completes
-        assert p.load_rank == first.decode_rank == p.decode_rank  # the owner's pages
+        assert (p.start, p.length) == (24, 3)
+        assert p.rank == first.decode_rank
+        assert p.pages[:6] == first.decode_pages[:6]
     sched.commit(plan, ex.execute(plan))
     assert sched.prefix_hits == 3 * 24
     while sched.has_work:
@@ -243,3 +277,40 @@ def test_a_short_shared_head_does_not_hold_a_prompt_back():
         sched.add(Request(rid, 0.0, 11, 2, prompt_token_ids=head + tail))
     plan = sched.schedule(ex.now())
     assert sorted(p.request_id for p in plan.prefill) == [0, 1]
+
+
+@pytest.mark.parametrize("suffix", [8, 3000])
+def test_the_latency_model_chooses_the_owner_alone_or_ulysses(suffix):
+    """A hit's suffix runs on the owner alone exactly when the latency model prices that
+    plan at most the load + Ulysses plan: a short suffix saves the load and the
+    all-to-alls; a long one needs every rank's linears."""
+    model = roofline_model("qwen3-14b", "h100", sp=4, tp=1)
+    prefix = tuple(range(3, 3 + 64 * PS))
+    tail = tuple(7 + i % 90 for i in range(suffix))
+    plans = {}
+    for local in (True, False):
+        bm = BlockManager(4, 4096, PS)
+        sched = Scheduler(SchedulerConfig(tbt_slo_s=10.0, ttft_slo_s=100.0, quantum=4,
+                                          local_prefill=local), model, bm)
+        ex = SimExecutor(model, KVSpec(4, 4096, PS))
+        sched.add(Request(0, 0.0, len(prefix), 50, prompt_token_ids=prefix))
+        for _ in range(2):
+            plan = sched.schedule(ex.now())
+            sched.commit(plan, ex.execute(plan))
+        sched.add(Request(1, ex.now(), len(prefix) + suffix, 2,
+                          prompt_token_ids=prefix + tail))
+        plans[local] = sched.schedule(ex.now())
+    on, off = plans[True], plans[False]
+    (ulysses,) = off.prefill
+    assert ulysses.load_rank is not None and ulysses.length == suffix  # whole, one chunk
+    owner = ulysses.load_rank
+    price = lambda plan: model.estimate(BatchShape.from_plan(plan, 4))  # noqa: E731
+    alone = dataclasses.replace(off, prefill=(), local_prefill=(LocalPrefill(
+        1, owner, len(prefix), length=suffix),))
+    assert (price(alone) <= price(off)) == (suffix == 8)  # the model's verdict
+    if suffix == 8:
+        (lp,) = on.local_prefill
+        assert not on.prefill and (lp.rank, lp.start, lp.length) == (owner, len(prefix), 8)
+        assert price(on) == pytest.approx(price(alone))
+    else:
+        assert not on.local_prefill and on.prefill == off.prefill
