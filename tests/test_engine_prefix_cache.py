@@ -27,7 +27,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 def make_engine(mesh="sp=4,tp=1", num_pages=128, policy="conflux", caching=True,
                 **config) -> Engine:
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=num_pages, max_model_len=128,
-                        buckets=BUCKETS, attention_impl=config.pop("attention_impl", None))
+                        buckets=BUCKETS, attention_impl=config.pop("attention_impl", None),
+                        decode_attention=config.pop("decode_attention", "auto"))
     return Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
                   EngineConfig(executor=ec, policy=policy, enable_prefix_caching=caching,
                                **config))
@@ -128,13 +129,23 @@ def test_link_bytes_count_the_loads():
     assert got == 2 * m.num_layers * page * (10 * 3 + moved * 3 * 4) // 4
 
 
-@pytest.mark.parametrize("seed", [11])
-def test_eviction_and_preemption_lose_nothing(seed):
+def slow_links(num_ranks: int):
+    """The built-in estimate with a costly all-to-all: the owner-alone path wins a hit
+    whenever its suffix fits the owner's decode slice."""
+    return dataclasses.replace(
+        default_latency_model(TINY_LLAMA.num_layers, num_ranks).for_buckets(BUCKETS.tokens),
+        comm=Affine(b=0.01))
+
+
+@pytest.mark.parametrize("seed,links", [(11, "estimate"), (11, "slow")])
+def test_eviction_and_preemption_lose_nothing(seed, links):
     """A pool too small for the waves' prefixes and growing decodes: cached pages are
     evicted, decodes preempted and recomputed (finding their own prefix again), and some
-    completions land off their owner rank; every token is still the reference's."""
+    completions land off their owner rank; every token is still the reference's (also when
+    slow links send the hits' suffixes to their owners alone)."""
     waves = shared_prefix_waves(seed, waves=3, per_wave=8)
-    engine = make_engine(num_pages=40)
+    engine = make_engine(num_pages=40,
+                         **({"latency_model": slow_links(4)} if links == "slow" else {}))
     plans = record_plans(engine)
     long = dataclasses.replace(GREEDY, max_tokens=24)
     tokens = []
@@ -149,6 +160,8 @@ def test_eviction_and_preemption_lose_nothing(seed):
     assert engine.scheduler.prefix_hits > 0
     assert_all_free(engine)
     assert moved_off_owner  # the owner was full: the decode went elsewhere
+    if links == "slow":
+        assert engine.scheduler.local_prefills > 0
 
 
 def test_abort_mid_prefill_of_a_request_sharing_blocks():
@@ -225,21 +238,20 @@ def test_n_choices_prefill_their_prompt_once_and_share_its_pages():
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("mesh,impl", [
-    ("sp=4,tp=1", None),
-    ("sp=2,tp=2", None),
-    ("sp=4,tp=1", "interpret"),  # the Pallas kernel reads the local rows
+@pytest.mark.parametrize("mesh,impl,decode", [
+    ("sp=4,tp=1", None, "auto"),  # decode rows by the CPU handler
+    ("sp=2,tp=2", None, "auto"),
+    ("sp=4,tp=1", None, "rpa"),  # by the kernel's jnp path
+    ("sp=4,tp=1", "interpret", "auto"),  # by the Pallas kernel
 ])
-def test_suffixes_prefilled_on_the_owner_alone_give_the_reference_tokens(mesh, impl):
+def test_suffixes_prefilled_on_the_owner_alone_give_the_reference_tokens(mesh, impl, decode):
     """With links priced slow, a hit whose suffix fits the owner's decode slice runs there
     alone (decode-slice rows over its cached pages, beside resident decodes and other
     prompts' Ulysses chunks); every token is still the dense reference's."""
-    n = 4 if mesh.startswith("sp=4") else 2
-    slow_links = dataclasses.replace(
-        default_latency_model(TINY_LLAMA.num_layers, n).for_buckets(BUCKETS.tokens),
-        comm=Affine(b=0.01))
     waves = shared_prefix_waves(seed=3)
-    engine = make_engine(mesh, latency_model=slow_links, attention_impl=impl)
+    engine = make_engine(mesh, latency_model=slow_links(4 if mesh.startswith("sp=4") else 2),
+                         attention_impl=impl,
+                         decode_attention=decode)
     plans = record_plans(engine)
     got = run_waves(engine, waves)
     assert got == [solo_greedy(p, 6) for w in waves for p in w]
