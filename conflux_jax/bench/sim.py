@@ -27,6 +27,7 @@ from conflux_jax.bench.workloads import (
     load_workload,
 )
 from conflux_jax.latency.roofline import ATTENTION_MODES, MODELS, kv_tokens_per_rank
+from conflux_jax.scheduler.router import ROUTER_POLICIES
 from conflux_jax.sim.policies import (
     POLICIES,
     SLOS,
@@ -96,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                          "synthetic, or a .jsonl path")
     ap.add_argument("--rates", type=float, nargs="+")
     ap.add_argument("--num-requests", type=int, default=1000)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES),
+                    help="default: every policy (every one but DistServe with --instances)")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="identical instances of --gpus each behind the global router; "
+                         "--rates are then the total offered rates (default rates scale)")
+    ap.add_argument("--routers", nargs="+", choices=list(ROUTER_POLICIES),
+                    help="with --instances > 1, each policy runs behind each of these "
+                         "routers (default: all)")
     ap.add_argument("--ttft", type=float, help="TTFT SLO seconds (default: paper's)")
     ap.add_argument("--tbt", type=float, help="TBT SLO seconds (default: paper's)")
     ap.add_argument("--coeffs", type=Path, help="fitted latency JSON for the conflux mesh")
@@ -130,10 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write per-rate attainment here")
     ap.add_argument("--png", type=Path, help="attainment-vs-rate plot (default: beside --json)")
     args = ap.parse_args(argv)
+    if args.instances < 1:
+        ap.error("--instances must be at least 1")
+    if args.routers and args.instances == 1:
+        ap.error("--routers needs --instances > 1")
+    routed = [p for p in args.policies or () if POLICIES[p][0] == "disagg"]
+    if args.instances > 1 and routed:
+        ap.error(f"{', '.join(routed)} cannot run behind the global router (it routes "
+                 "between its own prefill and decode replicas)")
+    policies = args.policies or [p for p in POLICIES
+                                 if args.instances == 1 or POLICIES[p][0] != "disagg"]
+    routers = (args.routers or list(ROUTER_POLICIES)) if args.instances > 1 else ["conflux"]
 
     ttft = args.ttft or SLOS[args.model][0]
     tbt = args.tbt or SLOS[args.model][1]
-    rates = args.rates or DEFAULT_RATES[args.model]
+    rates = args.rates or [r * args.instances for r in DEFAULT_RATES[args.model]]
     base = load_workload(args.trace, args.num_requests, args.seed)
     hashes = None
     caching = not args.no_prefix_caching
@@ -154,13 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     results: dict[str, list[dict]] = {}
     settings: dict[str, dict] = {}
-    specs = {p: resolved(InstanceSpec(p, args.model, args.hardware, args.gpus, ttft, tbt,
-                                      coeffs=args.coeffs, bounded_wait=args.bounded_wait,
-                                      noise=args.noise, estimate=args.estimate,
-                                      attention=args.attention, seed=args.seed,
-                                      prefix_caching=caching,
-                                      local_prefill=not args.no_local_prefill))
-             for p in args.policies}
+    specs = {(p if args.instances == 1 else f"{p} @{router}"): resolved(InstanceSpec(
+        p, args.model, args.hardware, args.gpus, ttft, tbt, coeffs=args.coeffs,
+        bounded_wait=args.bounded_wait, noise=args.noise, estimate=args.estimate,
+        attention=args.attention, seed=args.seed, prefix_caching=caching,
+        local_prefill=not args.no_local_prefill, instances=args.instances, router=router))
+        for p in policies for router in routers}
     cands = {p: [s] if args.no_sweep else sweep(s) for p, s in specs.items()}
     bar = tqdm(total=sum(len(c) for c in cands.values()) * len(rates), desc="policy x rate")
     runs: dict[InstanceSpec, list[dict]] = {}
@@ -194,10 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     cache += f", noise {args.noise:g}" if args.noise else ""
     cache += ", oracle estimate" if args.estimate == "oracle" else ""
     cache += ", paper's attention overlap" if args.attention == "paper" else ""
-    title = (f"{args.model} on {args.gpus}x {args.hardware}, {args.trace}{cache}, "
+    fleet = f"{args.instances} instances of " if args.instances > 1 else ""
+    title = (f"{fleet}{args.model} on {args.gpus}x {args.hardware}, {args.trace}{cache}, "
              f"SLO {ttft:g}s/{tbt * 1e3:g}ms, {args.num_requests} requests")
     print(title)
-    print(f"{'policy':<20} {'goodput (req/s)':>16}   attainment % at " +
+    w = max(20, *(len(p) for p in results))
+    print(f"{'policy':<{w}} {'goodput (req/s)':>16}   attainment % at " +
           " ".join(f"{r:g}" for r in rates) + "   max wait (s) at " +
           " ".join(f"{r:g}" for r in rates) + "   prefix hit % at " +
           " ".join(f"{r:g}" for r in rates))
@@ -208,14 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         wait += "   " + " ".join(f"{100 * r['prefix_hit_rate']:.0f}" for r in rows)
         shown = (">=" if capped[p] else "") + f"{good[p]:g}"  # sweep ended still passing
         chosen = settings[p]["chosen"]
-        print(f"{p:<20} {shown:>16}   {att}   {wait}"
+        print(f"{p:<{w}} {shown:>16}   {att}   {wait}"
               + (f"   [best of sweep: {chosen}]" if chosen is not None else ""))
     print(f"({elapsed:.1f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "bench": "sim", "model": args.model, "hardware": args.hardware,
-            "gpus": args.gpus, "trace": args.trace,
+            "gpus": args.gpus, "instances": args.instances,
+            "routers": routers if args.instances > 1 else None, "trace": args.trace,
             "prefix_cache_model": "unbounded and free: an upper bound"
             if args.unbounded_prefix_cache else
             f"the engine's, bounded by each instance's KV pool ({pool} tokens per Conflux "

@@ -56,6 +56,7 @@ from conflux_jax.scheduler.config import SchedulerConfig
 from conflux_jax.scheduler.placement import place_decode
 from conflux_jax.scheduler.prefix_cache import block_id_page_keys, chain_hashes, token_page_keys
 from conflux_jax.scheduler.request import Request, RequestState
+from conflux_jax.scheduler.router import InstanceLoad
 from conflux_jax.scheduler.waterfill import Dispatcher, waterfill_assign
 
 _SKIP = -2  # candidate cannot start now (KV); try the next one
@@ -195,6 +196,41 @@ class Scheduler:
     def queued_work(self) -> int:
         """Remaining prefill tokens of queued requests (the router's load signal)."""
         return sum(st.remaining for st in self._pending.values())
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Leading prompt tokens of ``req`` this instance's prefix cache holds, or that a
+        running prefill here is about to name (a request sharing it would wait for it).
+        Looks only: nothing is acquired or touched in the LRU."""
+        if not self._caching or req.cached_prefix:
+            return req.cached_prefix
+        st = RequestState(req, 0.0, req.prompt_len)
+        named = self._hash_pages(st, req.prompt_len - 1)
+        hashes = st.page_hashes[:named]
+        k = len(self.blocks.longest_hit(hashes)[1])
+        while k < named and hashes[k] in self._prefilling:
+            k += 1
+        return k * self.blocks.page_size
+
+    def load_report(self, req: Request) -> InstanceLoad:
+        """What the global router sees of this instance for arriving ``req``.
+
+        The predicted TTFT prices the queue's uncached prefill work plus ``req``'s with the
+        latency model, as one batch spread over the ranks beside the resident decodes, and
+        stretches it by the share of each TBT-bounded iteration the decodes leave to
+        prefill (at least a twentieth: the waterfill's quantum keeps prefill going).
+        """
+        cached = self.cached_prefix_tokens(req)
+        queued = self.queued_work()
+        tokens = queued + req.prompt_len - cached
+        a_p = attention_work(req.prompt_len - cached, cached) + sum(
+            attention_work(st.remaining, st.prefilled) for st in self._pending.values())
+        n_p = -(-tokens // self.n)
+        t_dec = self._decode_only_estimate()
+        t_all = self.model.iteration(n_p + max(self._n_d), n_p, a_p, self._decode_path())
+        share = max(0.05, 1.0 - t_dec / self._tau) if self._decodes else 1.0
+        return InstanceLoad(num_ranks=self.n, queued_tokens=queued,
+                            decodes=len(self._decodes), cached_tokens=cached,
+                            predicted_ttft_s=(t_all - t_dec) / share)
 
     # ---- the iteration -----------------------------------------------------------------
     def schedule(self, now: float) -> IterationPlan:

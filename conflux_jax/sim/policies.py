@@ -42,10 +42,11 @@ from conflux_jax.plan import KVSpec
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
 from conflux_jax.scheduler.request import Request
+from conflux_jax.scheduler.router import Router
 from conflux_jax.scheduler.scheduler import Scheduler
 from conflux_jax.sim.baselines import MuxLatency, simulate_disaggregated
 from conflux_jax.sim.calibrate import Estimate, fitted_estimate, oracle_estimate, sim_space
-from conflux_jax.sim.driver import SimReport, simulate
+from conflux_jax.sim.driver import SimReport, simulate, simulate_routed
 from conflux_jax.sim.executor import SimExecutor
 
 POLICIES: dict[str, tuple[str, str]] = {
@@ -110,6 +111,9 @@ class InstanceSpec:
     prefix_caching: bool = True
     # A hit's short suffix may run on its owner rank alone (SchedulerConfig.local_prefill).
     local_prefill: bool = True
+    # Several identical instances behind the global router (scheduler.router policy).
+    instances: int = 1
+    router: str = "conflux"
 
     @property
     def mode(self) -> str:
@@ -179,6 +183,7 @@ def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecu
     if mode == "mux":
         kw["mode"] = "conflux"  # one TP rank whose largest TBT-safe chunk waterfill finds
         kw["max_tokens_per_rank"] = tokens_per_rank(mode)
+        kw["local_prefill"] = False  # prefill stays in MuxWise's prefill partition
     kw.update(overrides)
     cfg = SchedulerConfig(**kw)
     truth = truth_model(spec)
@@ -203,6 +208,8 @@ def instance_report(spec: InstanceSpec) -> dict:
     mode = spec.mode
     out: dict = {"attention": spec.attention if mode == "conflux" else "serial",
                  "truth_noise": spec.noise}
+    if spec.instances > 1:
+        out["instances"], out["router"] = spec.instances, spec.router
     if mode == "disagg":
         out["estimate"] = {"source": "none (batches by token count, not by a model)"}
         out["split"] = str(spec.split or default_split(spec.gpus))
@@ -249,6 +256,9 @@ def run_policy(spec: InstanceSpec, requests: list[Request]) -> SimReport:
     """Simulate ``requests`` under ``spec.policy`` and return the report."""
     mode, order = POLICIES[spec.policy]
     if mode == "disagg":
+        if spec.instances > 1:
+            raise ValueError("DistServe routes between its own prefill and decode replicas; "
+                             "it does not run behind the global router")
         split = spec.split or default_split(spec.gpus)
         pre = roofline_model(spec.model, spec.hardware, sp=1, tp=split.prefill_tp)
         dec = roofline_model(spec.model, spec.hardware, sp=1, tp=split.decode_tp)
@@ -260,6 +270,12 @@ def run_policy(spec: InstanceSpec, requests: list[Request]) -> SimReport:
             decode_replicas=split.decode_replicas, noise=spec.noise, seed=spec.seed,
             prefill_kv_tokens=kv_tokens_per_rank(spec.model, spec.hardware, split.prefill_tp)
             if spec.prefix_caching else 0, page_size=PAGE_SIZE)
+    if spec.instances > 1:
+        # Each instance's truth draws its own jitter.
+        runs = [build_instance(dataclasses.replace(spec, seed=spec.seed + k))
+                for k in range(spec.instances)]
+        return simulate_routed(requests, runs, Router(spec.router), spec.ttft_slo_s,
+                               spec.tbt_slo_s)
     sched, ex = build_instance(spec)
     return simulate(requests, sched, ex, spec.ttft_slo_s, spec.tbt_slo_s)
 

@@ -104,3 +104,22 @@ def test_sim_prefix_cache_is_bounded_by_default_and_raises_attainment(tmp_path, 
     assert got[True]["Chunked"] > got[False]["Chunked"] + 0.5
     assert got[True]["ConfluxServe"] >= got[False]["ConfluxServe"]
     assert got[True]["DistServe"] >= got[False]["DistServe"]
+
+
+def test_sim_instances_behind_each_router(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--instances", "2", "--policies", "DistServe", "--rates", "1"])
+    assert "cannot run behind the global router" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "--routers", "conflux", "--rates", "1"])
+    assert "--instances > 1" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert main(["sim", "--model", "llama3.1-8b", "--instances", "2", "--rates", "8",
+                 "--num-requests", "40", "--policies", "ConfluxServe", "--no-sweep",
+                 "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["instances"] == 2 and d["routers"] == ["conflux", "least-loaded", "round-robin"]
+    assert set(d["results"]) == {"ConfluxServe @conflux", "ConfluxServe @least-loaded",
+                                 "ConfluxServe @round-robin"}
+    assert d["settings"]["ConfluxServe @conflux"]["router"] == "conflux"
+    assert "2 instances of llama3.1-8b" in capsys.readouterr().out
