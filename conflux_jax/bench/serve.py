@@ -273,6 +273,19 @@ def _table(per_rate: dict[float, dict]) -> str:
     return "\n".join(lines)
 
 
+_AB_HEAD = f"{'rate (req/s)':<14}{'TTFT p50 on ms':>16}{'off ms':>10}{'off/on':>8}"
+
+
+def _off_over_on(rate: float, on: dict, off: dict, key: str) -> float:
+    return off[rate][key] / max(on[rate][key], 1e-9)
+
+
+def _ab_ttft(rate: float, on: dict, off: dict, ratio: float) -> str:
+    """The TTFT columns of an on/off A/B row (under :data:`_AB_HEAD`)."""
+    return (f"{rate:<14g}{on[rate]['median_ttft_ms']:>16.1f}"
+            f"{off[rate]['median_ttft_ms']:>10.1f}{ratio:>8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m conflux_jax.bench serve",
                                  description=__doc__.splitlines()[0])
@@ -411,35 +424,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_prefill_ab:
         on, off = runs[labels[0]], runs[labels[1]]
         local_ab = {f"{r:g}": {
-            "ttft_p50_load_over_local": off[r]["median_ttft_ms"]
-            / max(on[r]["median_ttft_ms"], 1e-9),
-            "tpot_p50_load_over_local": off[r]["median_tpot_ms"]
-            / max(on[r]["median_tpot_ms"], 1e-9)} for r in on}
+            "ttft_p50_load_over_local": _off_over_on(r, on, off, "median_ttft_ms"),
+            "tpot_p50_load_over_local": _off_over_on(r, on, off, "median_tpot_ms")}
+            for r in on}
         print("owner-alone suffixes on vs off (always load + Ulysses), caching on, one run:")
-        print(f"{'rate (req/s)':<14}{'TTFT p50 on ms':>16}{'off ms':>10}{'off/on':>8}"
-              f"{'TPOT p50 on ms':>16}{'off ms':>10}{'off/on':>8}")
+        print(f"{_AB_HEAD}{'TPOT p50 on ms':>16}{'off ms':>10}{'off/on':>8}")
         for r in on:
             a = local_ab[f"{r:g}"]
-            print(f"{r:<14g}{on[r]['median_ttft_ms']:>16.1f}{off[r]['median_ttft_ms']:>10.1f}"
-                  f"{a['ttft_p50_load_over_local']:>8.2f}{on[r]['median_tpot_ms']:>16.1f}"
+            print(f"{_ab_ttft(r, on, off, a['ttft_p50_load_over_local'])}"
+                  f"{on[r]['median_tpot_ms']:>16.1f}"
                   f"{off[r]['median_tpot_ms']:>10.1f}{a['tpot_p50_load_over_local']:>8.2f}")
     if args.prefix_caching_ab:
         on, off = runs[labels[0]], runs[labels[-1]]
         ab = {f"{r:g}": {
-            "ttft_p50_off_over_on": off[r]["median_ttft_ms"] / max(on[r]["median_ttft_ms"],
-                                                                   1e-9),
+            "ttft_p50_off_over_on": _off_over_on(r, on, off, "median_ttft_ms"),
             "cached_over_reusable_in_pool": on[r]["total_cached_tokens"]
             / max(1, on[r]["reusable_tokens_in_pool"] or 0),
             "cached_tokens": on[r]["total_cached_tokens"],
             "reusable_tokens": on[r]["reusable_tokens"],
             "reusable_tokens_in_pool": on[r]["reusable_tokens_in_pool"]} for r in on}
         print("prefix caching on vs off, same workload, one run:")
-        print(f"{'rate (req/s)':<14}{'TTFT p50 on ms':>16}{'off ms':>10}{'off/on':>8}"
-              f"{'cached':>9}{'reusable':>10}{'cached/reusable':>17}")
+        print(f"{_AB_HEAD}{'cached':>9}{'reusable':>10}{'cached/reusable':>17}")
         for r in on:
             a = ab[f"{r:g}"]
-            print(f"{r:<14g}{on[r]['median_ttft_ms']:>16.1f}{off[r]['median_ttft_ms']:>10.1f}"
-                  f"{a['ttft_p50_off_over_on']:>8.2f}{a['cached_tokens']:>9}"
+            print(f"{_ab_ttft(r, on, off, a['ttft_p50_off_over_on'])}{a['cached_tokens']:>9}"
                   f"{a['reusable_tokens_in_pool']:>10}"
                   f"{100 * a['cached_over_reusable_in_pool']:>16.1f}%")
     if args.json:

@@ -96,6 +96,14 @@ class RankInputs:
     load_src: jax.Array  # i32[N, X*N]   cached decode pages here to send (pad: any page)
     load_dst: jax.Array  # i32[N, N*X*N] per received page (source s, index j at s*X*N+j):
     #                                     prefill sub-page here = page*N + offset (pad: -1)
+    # Owner-alone suffixes (plan.LocalPrefill) are rows of the decode slice after the
+    # decode slots (their KV writes ride on decode_index/decode_slot); their attention is
+    # one ragged call with a sequence each: local_index's rows, local_cu's boundaries.
+    local_index: jax.Array  # i32[N, D]   buffer index of each local row (pad: T)
+    local_cu: jax.Array  # i32[N, D+1] row boundaries of the local sequences
+    local_kv_len: jax.Array  # i32[N, D]   KV length of each local sequence after its rows
+    local_pages: jax.Array  # i32[N, D, Wd] its decode-view page table
+    num_local: jax.Array  # i32[N]      live local sequences on the rank
     sample_index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
 
 
@@ -186,7 +194,10 @@ class StepBatch:
             transfer_src=np.zeros((n, x), i32),
             transfer_dst=np.full((n, x * n), layout.num_pages, i32),
             load_src=np.zeros((n, x * n), i32), load_dst=np.full((n, n * x * n), -1, i32),
-            sample_index=np.zeros((n, r), i32))
+            local_index=np.full((n, d), t, i32), local_cu=np.zeros((n, d + 1), i32),
+            local_kv_len=np.zeros((n, d), i32),
+            local_pages=np.zeros((n, d, shape.decode_pages), i32),
+            num_local=np.zeros((n,), i32), sample_index=np.zeros((n, r), i32))
         shared = SharedInputs(
             perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
             cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),

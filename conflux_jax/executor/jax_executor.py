@@ -758,15 +758,13 @@ class JaxExecutor:
             meta.perm[kernel_pos:] = np.flatnonzero(~used_a2a)
             meta.inverse[meta.perm] = np.arange(n * p, dtype=np.int32)
 
-        # Decode slice, after the rank's prefill tokens: one row per decode slot, and one
-        # per local prefill token (each attends to the KV up to and including itself: the
-        # slice writes every row's KV before any row reads).
+        # Decode slice, after the rank's prefill tokens: one row per decode slot, then one
+        # per local prefill token (each writes its KV there; the slice writes every row's
+        # KV before any row reads). The decode slots attend one query each; each local
+        # prefill is one ragged sequence over its pages.
         dcount = [0] * n
 
-        def add_row(r: int, req: int, token: int, position: int, pages: tuple[int, ...]
-                    ) -> int:
-            if not pages:
-                raise ValueError(f"decode row of request {req} has no pages")
+        def add_row(r: int, token: int, position: int, pages: tuple[int, ...]) -> int:
             j = dcount[r]
             dcount[r] += 1
             index = fill[r] + j
@@ -774,22 +772,33 @@ class JaxExecutor:
             a.positions[r, index] = position
             a.decode_index[r, j] = index
             a.decode_slot[r, j] = pages[position // ps] * ps + position % ps
-            a.decode_kv_len[r, j] = position + 1
-            a.decode_pages[r, j, :len(pages)] = pages
-            return index
+            return j
 
-        for lp in plan.local_prefill:
-            if len(lp.token_ids) != lp.length or lp.length < 1:
-                raise ValueError(f"local prefill of request {lp.request_id} carries "
-                                 f"{len(lp.token_ids)} token ids for {lp.length} tokens")
-            for i, token in enumerate(lp.token_ids):
-                index = add_row(lp.rank, lp.request_id, token, lp.start + i, lp.pages)
-            add_sample(lp.rank, index, lp.request_id, lp.sampling, lp.sample_step)
         for slot in plan.decode:
-            index = add_row(slot.rank, slot.request_id, slot.token_id, slot.position,
-                            slot.pages)
-            add_sample(slot.rank, index, slot.request_id, slot.sampling, slot.sample_step)
+            r, pages = slot.rank, slot.pages
+            if not pages:
+                raise ValueError(f"decode slot of request {slot.request_id} has no pages")
+            j = add_row(r, slot.token_id, slot.position, pages)
+            a.decode_kv_len[r, j] = slot.position + 1
+            a.decode_pages[r, j, :len(pages)] = pages
+            add_sample(r, fill[r] + j, slot.request_id, slot.sampling, slot.sample_step)
         a.num_decode[:] = dcount
+        for lp in plan.local_prefill:
+            r, pages = lp.rank, lp.pages
+            if len(lp.token_ids) != lp.length or lp.length < 1 or not pages:
+                raise ValueError(f"local prefill of request {lp.request_id} carries "
+                                 f"{len(lp.token_ids)} token ids for {lp.length} tokens"
+                                 f"{'' if pages else ' and no pages'}")
+            k = int(a.num_local[r])
+            a.num_local[r] += 1
+            first = int(a.local_cu[r, k])
+            for i, token in enumerate(lp.token_ids):
+                j = add_row(r, token, lp.start + i, pages)
+                a.local_index[r, first + i] = fill[r] + j
+            a.local_cu[r, k + 1:] = first + lp.length
+            a.local_kv_len[r, k] = lp.start + lp.length
+            a.local_pages[r, k, :len(pages)] = pages
+            add_sample(r, fill[r] + j, lp.request_id, lp.sampling, lp.sample_step)
         if plan.token_masks:
             batch = dataclasses.replace(
                 batch, sample=self._with_masks(batch.sample, rows, plan.token_masks))

@@ -11,7 +11,8 @@ Per rank and per layer (DESIGN.md §3, paper §4):
    final chunk ran move their KV, page group by page group, to their decode rank only (a
    ragged all-to-all sized by the groups that complete; none compiled when none do).
 3. Decode slice ``[D]``: write K/V into rank-local full-head pages, paged attention over
-   the rank's own decode requests.
+   the rank's own decode requests; a prefix hit's suffix prefilled on its owner alone is
+   one ragged sequence there (its rows after the decodes') over the cached pages.
 4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
 
 A step is two pure functions, each one compiled executable: the forward
@@ -155,10 +156,19 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
             o = jax.lax.all_to_all(o[meta.inverse], SP, split_axis=0, concat_axis=1,
                                    tiled=True)  # [P, Hq_l, d], sequence-sharded again
             out = out.at[:p].set(o)
-        od = decode_attn(q[idx], _layers_as_pages(kp, kp.shape[1:]),
-                         _layers_as_pages(vp, vp.shape[1:]), b.decode_kv_len,
-                         b.decode_pages + base, decode_cu, b.num_decode[None])
+        k_dec, v_dec = _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:])
+        od = decode_attn(q[idx], k_dec, v_dec, b.decode_kv_len, b.decode_pages + base,
+                         decode_cu, b.num_decode[None])
         out = out.at[b.decode_index].set(od, mode="drop")
+        # Owner-alone suffixes: each a ragged sequence over its rank's full-head pages (the
+        # prefix and itself, causal), computed only in steps that have one.
+        lidx = jnp.minimum(b.local_index, t - 1)
+        ol = jax.lax.cond(
+            b.num_local > 0,
+            lambda: attn(q[lidx], k_dec, v_dec, b.local_kv_len, b.local_pages + base,
+                         b.local_cu, b.num_local[None]),
+            lambda: jnp.zeros((lidx.shape[0], *q.shape[1:]), q.dtype))
+        out = out.at[b.local_index].set(ol, mode="drop")
         return out, (kp, vp)
 
     x = model.embed_tokens(b.tokens)

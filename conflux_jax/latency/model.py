@@ -4,7 +4,8 @@
     T_gemm = f_gemm(max_r (n_p^r + n_d^r))                       Eq. 3
     T_attn = max(beta * T_P, alpha * T_D)  (both paths; else T_P + T_D)   Eq. 4
              (T_P + T_D always with ``serial_attention``: our step's order)
-    T_D    = max_r f_D(sum_{i in D_r} c_i)                       Eq. 5
+    T_D    = max_r f_D(sum_{i in D_r} c_i) + T_L                 Eq. 5 (+ T_L)
+    T_L    = max_r f_P(sum_{j in L_r} l_j * (c_j + (l_j + 1)/2))  owner-alone suffixes (ours)
     T_P    = f_comm(max_r n_p^r) + f_P((1/N) * sum_i l_i * (c_i + (l_i + 1)/2))   Eq. 6
     T_X    = f_X(max_d x_d)   KV tokens completing prefills move to decode rank d (ours)
 
@@ -13,6 +14,11 @@ layer's GEMMs (§7). Ours prices it, conservatively as if exposed (bytes moved /
 bandwidth in the roofline), so a long prompt's completion step is not under-estimated; a
 fit without a transfer coefficient (every shipped CPU fit) has f_X = 0 and prices exactly
 as before.
+
+T_L prices the prefix hits whose suffix runs on its owner rank alone (``LocalPrefill``):
+each is one ragged sequence of the decode slice, attended by the prefill attention's kernel
+over all heads on that one rank, so f_P of its whole work (not the 1/N share), after the
+rank's decode attention.
 
 The fit from measured iterations is in :mod:`conflux_jax.latency.fit`; shipped
 coefficients in :mod:`conflux_jax.latency.coeffs`.
@@ -72,8 +78,8 @@ class BatchShape:
     """The workload features of one iteration that the latency model depends on.
 
     ``n_p``/``n_d``: prefill/decode tokens per rank; ``w_d``: summed decode context
-    per rank (each decode attends to its KV length + 1; local prefill rows count here too:
-    they run in the decode slice); ``a_p``: total causal prefill
+    per rank (each decode attends to its KV length + 1); ``w_l``: the causal attention work
+    of the owner-alone suffixes per rank (``LocalPrefill``, T_L); ``a_p``: total causal prefill
     attention work sum_i l_i*(c_i + (l_i+1)/2) over all chunks of the iteration; ``x_kv``:
     the KV tokens (all heads) that completing prefills move to the busiest decode rank.
     """
@@ -83,6 +89,7 @@ class BatchShape:
     w_d: tuple[int, ...]
     a_p: float
     x_kv: int = 0
+    w_l: tuple[float, ...] = ()
 
     @property
     def num_ranks(self) -> int:
@@ -91,17 +98,17 @@ class BatchShape:
     @classmethod
     def from_plan(cls, plan: IterationPlan, num_ranks: int) -> BatchShape:
         """Features of a plan (each decode slot attends to its ``position + 1`` tokens; a
-        local prefill's tokens are decode rows of its rank, each over the prefix and the
-        suffix up to itself)."""
+        local prefill's tokens are decode-slice tokens of its rank)."""
         w_d = [0] * num_ranks
         for d in plan.decode:
             w_d[d.rank] += d.position + 1
+        w_l = [0.0] * num_ranks
         for lp in plan.local_prefill:
-            w_d[lp.rank] += int(attention_work(lp.length, lp.start))  # l(l+1)/2 is whole
+            w_l[lp.rank] += attention_work(lp.length, lp.start)
         a_p = sum(attention_work(p.length, p.start) for p in plan.prefill)
         return cls(tuple(plan.prefill_per_rank(num_ranks)),
                    tuple(plan.decode_per_rank(num_ranks)), tuple(w_d), a_p,
-                   transfer_tokens(plan, num_ranks))
+                   transfer_tokens(plan, num_ranks), tuple(w_l))
 
 
 def transfer_tokens(plan: IterationPlan, num_ranks: int) -> int:
@@ -176,6 +183,11 @@ class LatencyModel:
         """T_D for the rank with the largest decode context (f_D is nondecreasing)."""
         return self.dec(w_max)
 
+    def local_path(self, w_l: Sequence[float]) -> float:
+        """T_L: the owner-alone suffixes' attention, ``f_P`` of the busiest rank's work
+        (of the summed work when ranks share the cores)."""
+        return self.pre(self.decode_work(w_l)) if w_l else 0.0
+
     def prefill_path(self, max_np: int, a_p: float, max_load: int = 0) -> float:
         """T_P: all-to-all on the largest shard + attention over the 1/N share.
 
@@ -208,8 +220,8 @@ class LatencyModel:
 
     def estimate(self, shape: BatchShape) -> float:
         loads = [p + d for p, d in zip(shape.n_p, shape.n_d, strict=True)]
-        return self.iteration(max(loads), max(shape.n_p), shape.a_p,
-                              self.decode_path(self.decode_work(shape.w_d)), shape.x_kv)
+        t_d = self.decode_path(self.decode_work(shape.w_d)) + self.local_path(shape.w_l)
+        return self.iteration(max(loads), max(shape.n_p), shape.a_p, t_d, shape.x_kv)
 
     # ---- persistence --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

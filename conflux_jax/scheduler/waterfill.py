@@ -66,7 +66,7 @@ class Dispatcher:
     """Per-iteration waterfill state over N ranks (combined loads, prefill shards)."""
 
     __slots__ = ("model", "tau", "q", "max_level", "loads", "n_p", "a_p", "t_d", "n",
-                 "moved", "w_d")
+                 "moved", "w_d", "w_l")
 
     def __init__(self, model: LatencyModel, tau: float, decode_tokens: Sequence[int],
                  t_d: float, quantum: int = 16, max_level: int = 8192,
@@ -81,9 +81,10 @@ class Dispatcher:
         self.a_p = 0.0
         self.t_d = t_d
         self.moved = [0] * self.n  # KV tokens completing prefills move to each decode rank
-        # Per-rank decode-slice attention work behind ``t_d`` (needed to add local
-        # prefills; None: ``t_d`` is fixed).
+        # Per-rank decode attention work behind ``t_d`` (needed to add local prefills;
+        # None: ``t_d`` is fixed), and the local prefills' attention work (T_L).
         self.w_d = None if decode_work is None else list(decode_work)
+        self.w_l = [0.0] * self.n
 
     # ---- latency of the current state plus an optional addition --------------------
     def estimate(self, add: Sequence[int] | None = None, extra_work: float = 0.0,
@@ -99,11 +100,13 @@ class Dispatcher:
         return self.model.iteration(g, c, self.a_p + extra_work, self.t_d, x_kv)
 
     def _decode_path_with(self, rank: int, work: float) -> float:
+        """T_D (with T_L) once ``rank`` also runs a local prefill of attention ``work``."""
         if self.w_d is None:
             raise ValueError("a Dispatcher built without decode_work cannot add local rows")
-        w = list(self.w_d)
-        w[rank] += work
-        return self.model.decode_path(self.model.decode_work(w))
+        w_l = list(self.w_l)
+        w_l[rank] += work
+        m = self.model
+        return m.decode_path(m.decode_work(self.w_d)) + m.local_path(w_l)
 
     def estimate_local(self, rank: int, length: int, c: int) -> float:
         """The iteration's latency with a ``length``-token local prefill after ``c``
@@ -122,8 +125,7 @@ class Dispatcher:
     def commit_local(self, rank: int, length: int, c: int) -> None:
         """Accumulate a local prefill (see :meth:`estimate_local`)."""
         self.t_d = self._decode_path_with(rank, attention_work(length, c))
-        assert self.w_d is not None
-        self.w_d[rank] += attention_work(length, c)
+        self.w_l[rank] += attention_work(length, c)
         self.loads[rank] += length
 
     def _fits_level(self, level: int) -> bool:
