@@ -166,7 +166,7 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
         ol = jax.lax.cond(
             b.num_local > 0,
             lambda: attn(q[lidx], k_dec, v_dec, b.local_kv_len, b.local_pages + base,
-                         b.local_cu, b.num_local[None]),
+                         b.local_cu, b.num_local[None], query_len="long"),
             lambda: jnp.zeros((lidx.shape[0], *q.shape[1:]), q.dtype))
         out = out.at[b.local_index].set(ol, mode="drop")
         return out, (kp, vp)

@@ -5,7 +5,8 @@
     T_attn = max(beta * T_P, alpha * T_D)  (both paths; else T_P + T_D)   Eq. 4
              (T_P + T_D always with ``serial_attention``: our step's order)
     T_D    = max_r f_D(sum_{i in D_r} c_i) + T_L                 Eq. 5 (+ T_L)
-    T_L    = max_r f_P(sum_{j in L_r} l_j * (c_j + (l_j + 1)/2))  owner-alone suffixes (ours)
+    T_L    = max_r f_P(sum_{j in L_r} l_j * (c_j + (l_j + 1)/2))  owner-alone suffixes (ours;
+             f_P(1/N * sum over ranks) when the ranks share the cores, as f_P was fitted)
     T_P    = f_comm(max_r n_p^r) + f_P((1/N) * sum_i l_i * (c_i + (l_i + 1)/2))   Eq. 6
     T_X    = f_X(max_d x_d)   KV tokens completing prefills move to decode rank d (ours)
 
@@ -184,9 +185,15 @@ class LatencyModel:
         return self.dec(w_max)
 
     def local_path(self, w_l: Sequence[float]) -> float:
-        """T_L: the owner-alone suffixes' attention, ``f_P`` of the busiest rank's work
-        (of the summed work when ranks share the cores)."""
-        return self.pre(self.decode_work(w_l)) if w_l else 0.0
+        """T_L: the owner-alone suffixes' attention, ``f_P`` of the busiest rank's work.
+
+        When ranks share the cores, ``f_P`` was fitted to the 1/N share of work that in
+        truth all ranks run on the same cores, so the summed local work counts 1/N too."""
+        if not w_l:
+            return 0.0
+        if self.shared_cores:
+            return self.pre(sum(w_l) / self.num_ranks)
+        return self.pre(max(w_l))
 
     def prefill_path(self, max_np: int, a_p: float, max_load: int = 0) -> float:
         """T_P: all-to-all on the largest shard + attention over the 1/N share.

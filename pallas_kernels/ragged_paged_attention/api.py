@@ -35,7 +35,8 @@ from pallas_kernels.ragged_paged_attention.validation import Dims, softmax_scale
 __all__ = ["ragged_paged_attention"]
 
 
-def _block_sizes(dims: Dims, impl: str, overrides: dict[str, Any]) -> BlockSizes:
+def _block_sizes(dims: Dims, impl: str, overrides: dict[str, Any],
+                 query_len: str | None = None) -> BlockSizes:
     """``default_block_sizes`` with the caller's overrides, checked for ``impl``."""
     unknown = set(overrides) - set(BLOCK_SIZE_KEYS)
     if unknown:
@@ -44,7 +45,8 @@ def _block_sizes(dims: Dims, impl: str, overrides: dict[str, Any]) -> BlockSizes
         )
     bs = dataclasses.replace(
         default_block_sizes(
-            dims.num_tokens, dims.max_seqs, dims.num_q_heads, dims.num_kv_heads, dims.head_dim
+            dims.num_tokens, dims.max_seqs, dims.num_q_heads, dims.num_kv_heads, dims.head_dim,
+            query_len,
         ),
         **overrides,
     )
@@ -83,6 +85,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float | None = None,
     impl: str | None = None,
+    query_len: str | None = None,
     **block_sizes: int,
 ) -> jax.Array:  # f[T, Hq, d]
     """Causal GQA attention of packed ragged queries over paged KV (see the module docstring).
@@ -97,6 +100,8 @@ def ragged_paged_attention(
       sm_scale: logit scale, default 1/sqrt(d).
       impl: None (auto; ``$CONFLUX_ATTENTION_IMPL`` overrides), "xla", "pallas" or
         "interpret".
+      query_len: how to tile, "short" (decode-like: a token or two per sequence) or "long"
+        (prefill-like); None guesses from the shapes (short when T <= 2 * S).
       **block_sizes: Pallas tiling overrides, any of block_q, block_kv, kv_splits, num_warps,
         num_stages (see ``BlockSizes``; defaults from ``default_block_sizes``). The XLA path
         accepts (and checks) but ignores them.
@@ -110,10 +115,10 @@ def ragged_paged_attention(
     """
     dims = validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
     impl = resolve_impl(impl)
-    bs = _block_sizes(dims, impl, block_sizes)
+    bs = _block_sizes(dims, impl, block_sizes, query_len)
     scale = softmax_scale(dims, sm_scale)
     if impl == "xla":
-        tiling = xla.default_xla_tiling(dims.num_tokens, dims.max_seqs)
+        tiling = xla.default_xla_tiling(dims.num_tokens, dims.max_seqs, query_len)
         return xla.rpa_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            sm_scale=scale, **tiling._asdict())
     return pallas.rpa_pallas(

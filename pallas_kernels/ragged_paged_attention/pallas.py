@@ -26,6 +26,7 @@ from pallas_kernels._common import cdiv, next_pow2, triton_module
 from pallas_kernels.ragged_paged_attention.schedule import (
     build_schedule,
     prepare_metadata,
+    short_queries,
     token_mask,
 )
 
@@ -59,17 +60,19 @@ class BlockSizes:
 
 
 def default_block_sizes(
-    num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int
+    num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    query_len: str | None = None,
 ) -> BlockSizes:
     """Default tiling for a step of ``num_tokens`` tokens over up to ``max_seqs`` sequences.
 
     A step with at most two tokens per sequence is treated as decode: minimal query blocks
     (16 rows, the smallest Triton ``dot``) and KV splits so that enough programs stream KV
     concurrently. Otherwise prefill tiles of 128 query rows (64 for ``head_dim > 128``).
+    ``query_len`` overrides the guess from the shapes (``schedule.short_queries``).
     """
     group_pad = next_pow2(num_q_heads // num_kv_heads)
     block_kv = 64 if head_dim <= 128 else 32
-    if num_tokens <= 2 * max_seqs:
+    if short_queries(num_tokens, max_seqs, query_len):
         live_programs = max(1, max_seqs * num_kv_heads)
         # Aim for a few hundred concurrent programs (~2 per SM on an H100/H200 class GPU).
         kv_splits = min(8, next_pow2(cdiv(256, live_programs)))

@@ -13,7 +13,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Schedule", "build_schedule", "num_blocks", "prepare_metadata", "token_mask"]
+__all__ = ["Schedule", "build_schedule", "num_blocks", "prepare_metadata", "short_queries",
+           "token_mask"]
+
+
+def short_queries(num_tokens: int, max_seqs: int, query_len: str | None = None) -> bool:
+    """Tile as decode (a token or two per sequence)? ``query_len`` "short"/"long" says so;
+    None guesses from the shapes (``num_tokens <= 2 * max_seqs``)."""
+    if query_len is None:
+        return num_tokens <= 2 * max_seqs
+    if query_len not in ("short", "long"):
+        raise ValueError(f"query_len must be None, 'short' or 'long', got {query_len!r}")
+    return query_len == "short"
 
 
 class Schedule(NamedTuple):

@@ -23,6 +23,7 @@ from pallas_kernels.ragged_paged_attention.schedule import (
     Schedule,
     build_schedule,
     prepare_metadata,
+    short_queries,
 )
 from pallas_kernels.ragged_paged_attention.validation import softmax_scale, validate
 
@@ -38,7 +39,8 @@ class XlaTiling(NamedTuple):
     split_kv: bool
 
 
-def default_xla_tiling(num_tokens: int, max_seqs: int) -> XlaTiling:
+def default_xla_tiling(num_tokens: int, max_seqs: int, query_len: str | None = None
+                       ) -> XlaTiling:
     """Tiling of the XLA path (measured on a 2-core CPU, SmolLM2 shapes). Decode-like
     calls (at most two tokens per sequence): one-token blocks, their KV split into 64-token
     work items, 16 items per group, or two per sequence slot when there are fewer slots
@@ -47,8 +49,9 @@ def default_xla_tiling(num_tokens: int, max_seqs: int) -> XlaTiling:
     per group per 64 query rows (1 to 8): a group computes all its blocks, idle or not, and
     a 64-row call holds at most a few live ones (one 32-token prompt: 0.48 ms a call with
     one block per group, 2.5 ms with 8; 256 rows of two 128-token prompts: 1.9 ms with 4
-    or 8, 2.6 with 1)."""
-    if num_tokens <= 2 * max_seqs:
+    or 8, 2.6 with 1). ``query_len`` overrides the guess from the shapes
+    (:func:`~pallas_kernels.ragged_paged_attention.schedule.short_queries`)."""
+    if short_queries(num_tokens, max_seqs, query_len):
         return XlaTiling(1, min(16, 2 * max_seqs), 64, True)
     return XlaTiling(32, max(1, min(8, num_tokens // 64)), 128, False)
 

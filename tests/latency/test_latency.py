@@ -145,6 +145,21 @@ def test_shared_cores_add_decode_work_over_ranks() -> None:
     assert BUCKETED.decode_work([3, 4, 5]) == 12 and TRUE.decode_work([3, 4, 5]) == 5
 
 
+def test_owner_alone_suffixes_price_like_the_prefill_share_they_replace() -> None:
+    """T_L on dedicated devices is f_P of the busiest owner's work; on shared cores f_P was
+    fitted to the 1/N share of work all ranks run on the same cores, so a suffix alone on
+    one rank costs what the same work spread by Ulysses costs, without the all-to-all."""
+    w = 12_000.0
+    alone = BatchShape((0,) * 4, (5, 0, 0, 0), (0,) * 4, 0.0, w_l=(w, 0.0, 0.0, 0.0))
+    none = BatchShape((0,) * 4, (5, 0, 0, 0), (0,) * 4, 0.0)
+    assert TRUE.estimate(alone) - TRUE.estimate(none) == pytest.approx(4 * TRUE.pre(w))
+    assert TRUE.local_path([w, 2 * w]) == pytest.approx(TRUE.pre(2 * w))
+    assert BUCKETED.local_path([w, 2 * w]) == pytest.approx(BUCKETED.pre(3 * w / 4))
+    assert BUCKETED.local_path([w, 0, 0, 0]) == pytest.approx(BUCKETED.prefill_path(1, w)
+                                                             - BUCKETED.comm(16))
+    assert TRUE.local_path(()) == 0.0
+
+
 def test_bucketed_json_round_trip_and_fit(tmp_path) -> None:
     BUCKETED.save(tmp_path / "b.json")
     assert LatencyModel.load(tmp_path / "b.json") == BUCKETED

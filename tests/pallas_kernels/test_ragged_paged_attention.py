@@ -167,6 +167,30 @@ def test_decode_batch(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("query_len", ["short", "long"])
+def test_query_len_picks_the_tiling_not_the_result(impl: str, query_len: str) -> None:
+    """A few long sequences in as many slots as tokens (the Conflux decode slice's local
+    prefills) look decode-shaped; either tiling, chosen by the caller, gives the oracle."""
+    rng = np.random.default_rng(7)
+    case = make_case(
+        rng,
+        q_lens=[13, 3],
+        histories=[200, 40],
+        max_seqs=16,
+        num_tokens=16,
+        head_dim=64,
+        page_size=16,
+        num_kv_heads=2,
+        ratio=3,
+        pages_per_seq=16,
+    )
+    assert default_block_sizes(16, 16, 6, 2, 64).kv_splits > 1  # the guess: decode
+    assert default_block_sizes(16, 16, 6, 2, 64, "long").block_q > 16
+    out = ragged_paged_attention(*(case[k] for k in ARG_NAMES), impl=impl, query_len=query_len)
+    check(case, np.asarray(out))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_traced_num_seqs_one_compile(impl: str) -> None:
     """num_seqs is traced: one compiled program serves any number of live sequences."""
     rng = np.random.default_rng(2)
@@ -297,6 +321,7 @@ def test_invalid_inputs_raise_before_tracing(
         (dict(blok_q=4), "unknown block size option"),
         (dict(impl="triton"), "is not one of"),
         (dict(impl="reference"), "'reference' is now called 'xla'"),
+        (dict(query_len="decode"), "query_len must be"),
     ],
 )
 def test_invalid_options(kw: dict[str, Any], match: str) -> None:
