@@ -122,6 +122,27 @@ def _metric(url: str, name: str) -> float:
     return float(found[0])
 
 
+def test_load_reports_come_from_the_engine_thread_and_a_stopped_loop_refuses_them(
+        second_engine: Any) -> None:
+    """First in the module: the routed server's loops drive the engines after it."""
+    from serving.engine_loop import EngineLoopClosed
+
+    loop = EngineLoop(second_engine)
+    with pytest.raises(EngineLoopClosed):  # not started
+        loop.load_report([1, 2, 3]).result(timeout=5)
+    loop.start(warmup=False)
+    try:
+        load = loop.load_report(list(range(3, 40)), max_new_tokens=8).result(timeout=10)
+        assert load.queued_tokens == 0 and load.decodes == 0 and load.predicted_ttft_s > 0
+        assert load.num_ranks == second_engine.executor.num_ranks
+        with pytest.raises(ValueError, match="token ids must be in"):  # EngineError
+            loop.load_report([10**6]).result(timeout=10)
+    finally:
+        loop.stop(timeout=10)
+    with pytest.raises(EngineLoopClosed):
+        loop.load_report([1, 2, 3]).result(timeout=5)
+
+
 def test_a_burst_of_distinct_prompts_reaches_both_instances(routed: RoutedServer) -> None:
     prompts = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(6)]
     responses = _burst(routed.url, prompts)
@@ -244,26 +265,6 @@ def test_a_lost_instance_fails_its_request_and_the_other_serves_the_rest(
     finally:
         for executor, real, _ in lost:
             executor.execute = real
-
-
-def test_load_reports_come_from_the_engine_thread_and_a_stopped_loop_refuses_them(
-        second_engine: Any) -> None:
-    from serving.engine_loop import EngineLoopClosed
-
-    loop = EngineLoop(second_engine)
-    with pytest.raises(EngineLoopClosed):  # not started
-        loop.load_report([1, 2, 3]).result(timeout=5)
-    loop.start(warmup=False)
-    try:
-        load = loop.load_report(list(range(3, 40)), max_new_tokens=8).result(timeout=10)
-        assert load.queued_tokens == 0 and load.decodes == 0 and load.predicted_ttft_s > 0
-        assert load.num_ranks == second_engine.executor.num_ranks
-        with pytest.raises(ValueError, match="token ids must be in"):  # EngineError
-            loop.load_report([10**6]).result(timeout=10)
-    finally:
-        loop.stop(timeout=10)
-    with pytest.raises(EngineLoopClosed):
-        loop.load_report([1, 2, 3]).result(timeout=5)
 
 
 def test_summed_counters_only_go_up_across_an_instance_restart() -> None:
