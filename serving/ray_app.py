@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs Ray gives each instance's replica (its mesh's devices)")
     g.add_argument("--ingress-replicas", type=int, default=1,
                    help="replicas of the HTTP ingress; each routes on fresh load reports")
+    g.add_argument("--ingress-cpus", type=float, default=0.5,
+                   help="CPUs Ray reserves for each ingress replica (HTTP, tokenizing)")
     g.add_argument("--report-timeout", type=cli._positive, default=Timeouts.report_s,
                    help="seconds an instance has to answer a load report or stats poll")
     g.add_argument("--start-timeout", type=cli._positive, default=Timeouts.start_s,
@@ -90,8 +93,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("an instance here is one Ray replica (one process): "
                          "--coordinator/--num-processes/--process-id are not supported "
                          "under Ray Serve")
-    if args.instance_cpus < 0 or args.instance_gpus < 0:
-        raise ValueError("--instance-cpus and --instance-gpus must not be negative")
+    if min(args.instance_cpus, args.instance_gpus, args.ingress_cpus) < 0:
+        raise ValueError("--instance-cpus, --instance-gpus and --ingress-cpus must not be "
+                         "negative")
 
 
 def args_from_config(config: dict[str, Any]) -> argparse.Namespace:
@@ -271,12 +275,17 @@ def build_application(args: argparse.Namespace) -> Any:
     check_args(args)
     slots = args.max_queue + _CONTROL_SLOTS
     actor = {"num_cpus": args.instance_cpus, "num_gpus": args.instance_gpus}
+    # No per-call access log: the router's polls would be most of it (as the single
+    # server, which logs no access either).
+    logging_config = {"log_level": args.log_level.upper(), "enable_access_log": False}
     instances = [EngineInstance.options(name=f"instance-{i}", num_replicas=1,
-                                        max_ongoing_requests=slots,
-                                        ray_actor_options=actor).bind(args, f"instance-{i}")
+                                        max_ongoing_requests=slots, ray_actor_options=actor,
+                                        logging_config=logging_config
+                                        ).bind(args, f"instance-{i}")
                  for i in range(args.instances)]
-    return Ingress.options(num_replicas=args.ingress_replicas,
-                           max_ongoing_requests=slots).bind(instances, args)
+    return Ingress.options(num_replicas=args.ingress_replicas, max_ongoing_requests=slots,
+                           ray_actor_options={"num_cpus": args.ingress_cpus},
+                           logging_config=logging_config).bind(instances, args)
 
 
 def app_builder(config: dict[str, Any]) -> Any:
@@ -286,6 +295,13 @@ def app_builder(config: dict[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- the CLI
+def local_cpus(args: argparse.Namespace) -> int:
+    """CPUs a local cluster declares: the host's, or what the deployments reserve if more
+    (Ray would never schedule the rest; the processes then share the cores)."""
+    wanted = args.instances * args.instance_cpus + args.ingress_replicas * args.ingress_cpus
+    return max(os.cpu_count() or 1, math.ceil(wanted + 1))  # + Serve's own actors
+
+
 def local_runtime_env() -> dict[str, Any]:
     """Workers of a local cluster import this same source tree (a checkout may not be
     installed, or be installed from elsewhere)."""
@@ -306,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     if args.ray_address is None:
-        ray.init(runtime_env=local_runtime_env())
+        ray.init(num_cpus=local_cpus(args), runtime_env=local_runtime_env())
     else:
         ray.init(address=args.ray_address)
     stop = threading.Event()

@@ -44,13 +44,13 @@ def ray_app(tiny_checkpoint: Path) -> Iterator[str]:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # The tiny model's flags, as the CLI tests start it.
-        args = ray_app.build_parser().parse_args(
-            ["--model", str(tiny_checkpoint), "--served-model-name", "tiny",
-             "--instances", "2", "--router", "conflux", "--instance-cpus", "1",
-             "--output-timeout", "30", "--report-timeout", "3", "--log-level", "warning",
-             *TINY_CLI_ARGS])
-        serve.run(ray_app.build_application(args), name=ray_app.APP_NAME, route_prefix="/")
+        # As a serve config's args (the tiny model's flags as the CLI tests pass them).
+        tiny = dict(zip(TINY_CLI_ARGS[::2], TINY_CLI_ARGS[1::2], strict=True))
+        config = {"model": str(tiny_checkpoint), "served_model_name": "tiny",
+                  "instances": 2, "router": "conflux", "instance_cpus": 1,
+                  "output_timeout": 30, "report_timeout": 3, "log_level": "warning",
+                  **{k[2:].replace("-", "_"): v for k, v in tiny.items()}}
+        serve.run(ray_app.app_builder(config), name=ray_app.APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while httpx.get(url + "/health", timeout=10).status_code != 200:
@@ -82,6 +82,21 @@ def test_the_flags_of_a_serve_config_are_the_command_lines(tiny_checkpoint: Path
         ray_app.args_from_config({"router": "random"})
     with pytest.raises(ValueError, match="not supported under Ray Serve"):
         ray_app.args_from_config({"coordinator": "10.0.0.1:8476"})
+
+
+def test_the_example_configs_build_with_their_args() -> None:
+    import yaml
+
+    from serving import ray_app
+
+    examples = Path(__file__).resolve().parents[2] / "examples" / "ray"
+    serve_config = yaml.safe_load((examples / "serve_config.yaml").read_text())
+    service = yaml.safe_load((examples / "rayservice.yaml").read_text())
+    for config in (serve_config, yaml.safe_load(service["spec"]["serveConfigV2"])):
+        (app,) = config["applications"]
+        assert app["import_path"] == "serving.ray_app:app_builder"
+        args = ray_app.args_from_config(app["args"])
+        assert args.instances == 2 and args.router == "conflux"
 
 
 def test_a_burst_of_distinct_prompts_reaches_both_instances(ray_app: str) -> None:
