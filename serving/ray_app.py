@@ -226,48 +226,75 @@ async def _cancel_on_exit(response: Any) -> Any:
 
 
 # ----------------------------------------------------------------------- the ingress
-_APP: list[Any] = []  # the app this replica's Ingress built, handed to Ray by _ingress_app
+class DeferredApp:
+    """The ingress's ASGI app, built at the ASGI lifespan's startup: the OpenAI app needs
+    the model's tokenizer, which only an instance can tell (an async call), and Ray Serve
+    runs the lifespan, async, as part of starting the replica (an async ``__init__`` is
+    not awaited by every Ray version's ingress wrapper). Until then it answers 503."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.app is None and scope["type"] == "lifespan":
+            try:
+                self.app = await _build_ingress_app()
+            except Exception as exc:
+                log.exception("the ingress cannot start")
+                await receive()  # lifespan.startup
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+        if self.app is None:
+            from serving.errors import error_response
+
+            await error_response(503, "the router is starting; retry shortly")(
+                scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
-def _keep_ingress_app(app: Any) -> None:
-    # A module function, so that it reaches this module's _APP: Ray ships the Ingress
+_SETUP: list[tuple[list[DeploymentHandle], argparse.Namespace]] = []
+
+
+def _keep_ingress_setup(instances: list[DeploymentHandle], args: argparse.Namespace) -> None:
+    # A module function, so that it reaches this module's _SETUP: Ray ships the Ingress
     # class by value (its name is the deployment's), with a copy of the globals it uses.
-    _APP[:] = [app]
+    _SETUP[:] = [(instances, args)]
 
 
-def _ingress_app() -> Any:
-    # Ray Serve calls this right after Ingress.__init__, in the same replica process.
-    if not _APP:
-        raise RuntimeError("the ingress app is built by Ingress.__init__ first")
-    return _APP[0]
+async def _build_ingress_app() -> Any:
+    """The single server's app over a RoutedLoop of this replica's instance handles."""
+    from serving.app import create_app
+    from serving.settings import ServerSettings
+
+    if not _SETUP:
+        raise RuntimeError("Ingress.__init__ has not run in this process")
+    instances, args = _SETUP[0]
+    routed = [RayInstance(h) for h in instances]
+    timeouts = Timeouts(report_s=args.report_timeout, start_s=args.start_timeout,
+                        output_s=args.output_timeout)
+    # The instances are warm before the ingress starts (it depends on them); this only
+    # waits out a slow first answer.
+    info = await describe_any(routed, max(60.0, args.start_timeout))
+    loop = RoutedLoop(routed, info, policy=args.router, timeouts=timeouts)
+    await loop.start()
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model, max_model_len=info.max_model_len,
+        api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        max_logprobs=info.max_logprobs, tool_call_parser=args.tool_call_parser,
+        chat_template=cli._template(args.chat_template))
+    return create_app(loop, settings)
 
 
 @serve.deployment(name="ingress")
-@serve.ingress(_ingress_app)
+@serve.ingress(DeferredApp())
 class Ingress:
-    """The single server's OpenAI app over a RoutedLoop of the instance deployments."""
+    """The single server's OpenAI app over a RoutedLoop of the instance deployments
+    (built by ``DeferredApp`` once this constructor has handed it the handles)."""
 
-    async def __init__(self, instances: list[DeploymentHandle],
-                       args: argparse.Namespace) -> None:
-        from serving.app import create_app
-        from serving.settings import ServerSettings
-
+    def __init__(self, instances: list[DeploymentHandle], args: argparse.Namespace) -> None:
         logging.getLogger("serving").setLevel(args.log_level.upper())
-        routed = [RayInstance(h) for h in instances]
-        timeouts = Timeouts(report_s=args.report_timeout, start_s=args.start_timeout,
-                            output_s=args.output_timeout)
-        # The instances are warm before the ingress starts (it depends on them); this
-        # only waits out a slow first answer.
-        info = await describe_any(routed, max(60.0, args.start_timeout))
-        self.loop = RoutedLoop(routed, info, policy=args.router, timeouts=timeouts)
-        await self.loop.start()
-        settings = ServerSettings(
-            model_name=args.served_model_name or args.model,
-            max_model_len=info.max_model_len, api_key=args.api_key,
-            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-            max_logprobs=info.max_logprobs, tool_call_parser=args.tool_call_parser,
-            chat_template=cli._template(args.chat_template))
-        _keep_ingress_app(create_app(self.loop, settings))
+        _keep_ingress_setup(instances, args)
 
 
 def build_application(args: argparse.Namespace) -> Any:
