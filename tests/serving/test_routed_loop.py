@@ -177,6 +177,27 @@ def test_metrics_sum_the_instances(routed: RoutedServer) -> None:
     assert _metric(routed.url, "vllm:num_requests_running") == 0
 
 
+
+def test_an_invalid_prompt_is_the_clients_error_not_an_instance_failure(
+        routed: RoutedServer) -> None:
+    r = _complete(routed.url, list(range(3, 303)))  # longer than the 256-token context
+    assert r.status_code == 400
+    assert "this server's context is 256 tokens" in r.json()["error"]["message"]
+    assert routed.routed.down == {}
+    assert _complete(routed.url, [9, 8, 7]).status_code == 200
+
+
+def test_the_router_refuses_what_it_cannot_route(routed: RoutedServer) -> None:
+    info = routed.routed.engine
+    with pytest.raises(ValueError, match="at least one engine instance"):
+        RoutedLoop([], info)
+    with pytest.raises(ValueError, match="names must differ"):
+        RoutedLoop([routed.instances[0], routed.instances[0]], info)
+    with pytest.raises(ValueError, match="unknown router policy 'random'"):
+        RoutedLoop(routed.instances, info, policy="random")
+    with pytest.raises(ValueError, match="output_s must be positive"):
+        Timeouts(output_s=0)
+
 def _stream_events(url: str, prompt: list[int], max_tokens: int,
                    on_first: Any = None) -> tuple[str, list[Any]]:
     """The serving instance and the stream's events; ``on_first(instance)`` runs once the
