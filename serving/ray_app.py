@@ -98,6 +98,14 @@ def check_args(args: argparse.Namespace) -> None:
                          "negative")
 
 
+# Flags of the command line that an application's args cannot apply.
+_CLI_ONLY = {
+    "--host": "the Serve config's http_options set where the proxy listens",
+    "--port": "the Serve config's http_options set where the proxy listens",
+    "--ray-address": "the application runs on the cluster it is deployed to",
+}
+
+
 def args_from_config(config: dict[str, Any]) -> argparse.Namespace:
     """Flags given as a dict (``serve run`` config's ``args``: ``model: default``,
     ``enable_prefix_caching: false``, ``token_buckets: [16, 64]``), parsed and checked by
@@ -107,6 +115,8 @@ def args_from_config(config: dict[str, Any]) -> argparse.Namespace:
     argv: list[str] = []
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
+        if flag in _CLI_ONLY:
+            raise ValueError(f"application arg {key!r}: {_CLI_ONLY[flag]}")
         if flag not in known:
             raise ValueError(f"unknown application arg {key!r} (not a flag of "
                              "python -m serving.ray_app)")

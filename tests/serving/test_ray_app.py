@@ -2,7 +2,8 @@
 Ray cluster and the tiny test model, checked over HTTP on the OpenAI endpoints: load
 spreads a burst over both instances, a repeated long prefix returns to the instance that
 cached it, and killing one instance's replica (``ray.kill``) mid-stream fails its request
-with an error naming it while the next requests go to the other.
+with an error naming it while the next requests go to the other, until Ray Serve's new
+replica has warmed up and rejoins.
 
 One cluster and one application for the module (starting them is most of the time).
 """
@@ -82,6 +83,8 @@ def test_the_flags_of_a_serve_config_are_the_command_lines(tiny_checkpoint: Path
         ray_app.args_from_config({"router": "random"})
     with pytest.raises(ValueError, match="not supported under Ray Serve"):
         ray_app.args_from_config({"coordinator": "10.0.0.1:8476"})
+    with pytest.raises(ValueError, match="application arg 'port': the Serve config's"):
+        ray_app.args_from_config({"port": 9000})
 
 
 def test_the_example_configs_build_with_their_args() -> None:
@@ -99,16 +102,21 @@ def test_the_example_configs_build_with_their_args() -> None:
         assert args.instances == 2 and args.router == "conflux"
 
 
-def test_a_burst_of_distinct_prompts_reaches_both_instances(ray_app: str) -> None:
+def _burst(url: str, n: int) -> list[httpx.Response]:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
             return await asyncio.gather(*(client.post(
-                ray_app + "/v1/completions",
+                url + "/v1/completions",
                 json={"model": "tiny", "prompt": [10 + i, 20 + i, 30 + i], "max_tokens": 4,
-                      "ignore_eos": True}) for i in range(6)))
+                      "ignore_eos": True}) for i in range(n)))
 
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return responses
+
+
+def test_a_burst_of_distinct_prompts_reaches_both_instances(ray_app: str) -> None:
+    responses = _burst(ray_app, 6)
     assert {r.headers[INSTANCE_HEADER] for r in responses} == {"instance-0", "instance-1"}
     assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
 
@@ -182,3 +190,15 @@ def test_a_killed_instance_fails_its_request_and_the_other_serves_the_next(
         assert after.headers[INSTANCE_HEADER] == other
     assert time.monotonic() - started < 30  # no request waited on the dead instance long
     assert httpx.get(ray_app + "/health", timeout=10).status_code == 200
+
+
+def test_the_restarted_instance_rejoins(ray_app: str) -> None:
+    """Ray Serve replaces the killed replica; once warm, the router's poll brings it back
+    and bursts reach both instances again."""
+    deadline = time.monotonic() + 120
+    while True:
+        served = {r.headers[INSTANCE_HEADER] for r in _burst(ray_app, 4)}
+        if served == {"instance-0", "instance-1"}:
+            break
+        assert time.monotonic() < deadline, "the killed instance never came back"
+        time.sleep(1.0)
