@@ -120,6 +120,9 @@ def args_from_config(config: dict[str, Any]) -> argparse.Namespace:
         if flag not in known:
             raise ValueError(f"unknown application arg {key!r} (not a flag of "
                              "python -m serving.ray_app)")
+        if known[flag].nargs == 0 and isinstance(value, str) and \
+                value.lower() in ("true", "false"):  # `serve run ... key=false`
+            value = value.lower() == "true"
         if isinstance(value, bool):
             negative = "--no-" + flag[2:]
             if value:
