@@ -226,7 +226,8 @@ async def _collect(gens: list[Generation], request: Request,
                    form: fmt.ResponseFormat) -> dict[str, Any]:
     """Run a non-streaming request's choices to the end, aborting them if the client
     disconnects."""
-    task = asyncio.ensure_future(asyncio.gather(*(g.run_to_end() for g in gens)))
+    runs = [asyncio.ensure_future(g.run_to_end()) for g in gens]
+    task = asyncio.ensure_future(asyncio.gather(*runs))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -234,6 +235,8 @@ async def _collect(gens: list[Generation], request: Request,
                 try:
                     task.result()
                 except GenerationFailed as exc:
+                    for run in runs:  # gather leaves the other choices running
+                        run.cancel()
                     raise APIError(502, str(exc)) from None
                 break
             if await request.is_disconnected():

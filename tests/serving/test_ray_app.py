@@ -27,7 +27,12 @@ pytest.importorskip("ray.serve")
 from conflux_jax.bench.server_process import free_port  # noqa: E402
 from serving.request_flow import INSTANCE_HEADER  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.timeout(300),
+    # ray.init starts its processes by fork + exec from this (JAX-threaded) process: the
+    # child runs no Python before exec, so the deadlock the warning fears cannot happen.
+    pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ class RoutedServer:
             settings = ServerSettings(model_name="tiny", max_model_len=info.max_model_len,
                                       max_logprobs=info.max_logprobs,
                                       stop_loop_on_shutdown=True)
-            app = create_app(self.routed, settings)
+            app = self.app = create_app(self.routed, settings)
             self.server = uvicorn.Server(uvicorn_config(
                 app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False))
             started.set()
@@ -257,6 +257,38 @@ def test_a_stalled_instance_fails_its_request_with_an_error_naming_it(
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
+
+def test_a_stall_fails_a_whole_non_streaming_request_with_a_502(routed: RoutedServer) -> None:
+    """Both choices of an n=2 request stall (every step now takes seconds): a 502 naming
+    the instance, and neither choice is left running or counted in flight."""
+    reals = [(e.executor, e.executor.execute) for e in routed.engines]
+
+    def slowed(real: Any) -> Any:
+        def slow(plan: Any) -> Any:
+            time.sleep(1.5)
+            return real(plan)
+        return slow
+
+    old = routed.routed.timeouts
+    routed.routed.timeouts = Timeouts(report_s=5.0, start_s=30.0, output_s=0.5,
+                                      poll_interval_s=0.2)
+    try:
+        for executor, real in reals:
+            executor.execute = slowed(real)
+        r = httpx.post(routed.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": [61, 62, 63], "max_tokens": 50,
+                             "ignore_eos": True, "n": 2})
+    finally:
+        routed.routed.timeouts = old
+        for executor, real in reals:
+            executor.execute = real
+    assert r.status_code == 502, r.text
+    assert re.search(r"engine instance instance-\d failed .*sent nothing for 0.5 s",
+                     r.json()["error"]["message"])
+    deadline = time.monotonic() + 30
+    while routed.app.state.server.inflight or any(e.has_unfinished for e in routed.engines):
+        assert time.monotonic() < deadline, "a choice was left running"
+        time.sleep(0.05)
 
 def test_a_lost_instance_fails_its_request_and_the_other_serves_the_rest(
         routed: RoutedServer) -> None:
