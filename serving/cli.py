@@ -173,6 +173,18 @@ def _wants_gpu() -> bool:
     return any(x in platforms for x in ("cuda", "gpu", "rocm", "tpu"))
 
 
+def prepare_local_devices(args: argparse.Namespace) -> None:
+    """The device environment of a one-process instance, set before jax initialises
+    (what ``main`` does for one without ``--coordinator``): the GPU memory share, and on
+    CPU as many simulated host devices as ``--mesh`` names."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                          str(args.gpu_memory_utilization or 0.9))
+    if not _wants_gpu():
+        from conflux_jax.executor.mesh import devices_named_by, simulate_cpu_devices
+
+        simulate_cpu_devices(devices_named_by(args.mesh, CPU_SIMULATED_DEVICES))
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     """The checkpoint and the executor configuration (the same in every process)."""
     import dataclasses

@@ -20,6 +20,7 @@ multi-process instance died) stops the loop: no later step could run.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -40,6 +41,12 @@ log = logging.getLogger(__name__)
 
 class EngineLoopClosed(RuntimeError):
     """The loop is stopped (shutting down) and takes no new requests."""
+
+
+class GenerationFailed(RuntimeError):
+    """A request that was accepted cannot go on (its engine instance failed); a
+    ``RequestStream`` raises it in place of the outputs that will never come, and the
+    message says what failed."""
 
 
 @dataclasses.dataclass
@@ -65,6 +72,8 @@ class RequestStream:
         self.accepted: asyncio.Future[int] = loop.create_future()
         self.request_id: int | None = None
         self.finished = False
+        # The engine instance serving it, where several serve behind a router.
+        self.served_by: str | None = None
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         while not self.finished:
@@ -88,6 +97,12 @@ class _Add:
 @dataclasses.dataclass
 class _Abort:
     stream: RequestStream
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future[Any]
 
 
 _WAKE = object()
@@ -176,6 +191,25 @@ class EngineLoop:
         if not stream.finished:
             self._intake.put(_Abort(stream))
 
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn(engine)`` on the engine thread between two steps (the engine is not
+        thread-safe) and resolve the future with its result or exception; from any thread.
+        A loop that is not running fails the future with ``EngineLoopClosed``."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if self._stop.is_set() or not self.alive:
+            future.set_exception(EngineLoopClosed("the engine loop is not running"))
+            return future
+        self._intake.put(_Call(fn, future))
+        if not self.alive:  # stopped between the check and the put: nobody may take it
+            self._refuse_queued()
+        return future
+
+    def load_report(self, prompt_ids: list[int], cache_salt: str = "",
+                    max_new_tokens: int = 1) -> concurrent.futures.Future[Any]:
+        """The engine's ``load_report`` for a prompt (what the global router compares)."""
+        return self.call(lambda engine: engine.load_report(prompt_ids, cache_salt,
+                                                           max_new_tokens))
+
     # ------------------------------------------------------------------ engine thread
     def _run(self, warmup: bool) -> None:
         if warmup:
@@ -248,6 +282,13 @@ class EngineLoop:
             rid = item.stream.request_id
             if rid is not None and self._streams.pop(rid, None) is not None:
                 self._safe_abort(rid)
+        elif isinstance(item, _Call):
+            if not item.future.set_running_or_notify_cancel():
+                return
+            try:
+                item.future.set_result(item.fn(self.engine))
+            except Exception as exc:  # the caller's to handle; the loop goes on
+                item.future.set_exception(exc)
 
     def _iterate(self) -> None:
         try:
@@ -302,6 +343,8 @@ class EngineLoop:
                 s = item.stream
                 _post(s, lambda s=s: _fail_accept(s, EngineLoopClosed(
                     "the server is shutting down")))
+            elif isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(EngineLoopClosed("the engine loop stopped"))
 
     def _safe_abort(self, rid: int) -> None:
         try:

@@ -4,7 +4,10 @@ Admission (503 while the loop is not ready, 429 when ``max_queue`` requests are 
 400 / 503 when the loop refuses it), then either an SSE stream of its ``StepOutput``s or
 one collected body. A request whose client goes away (stream closed, or a non-streaming
 client disconnecting) is aborted so its KV pages are freed, and every admitted request
-records its metrics exactly once when it ends.
+records its metrics exactly once when it ends. Behind the global router
+(``serving.routed_loop``) the response names the instance that served it
+(``x-conflux-instance``), and a request whose instance fails mid-way ends with an error
+naming that failure (``GenerationFailed``: an error event, or a 502 when not streaming).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from conflux_jax.engine import EngineError, StepOutput
 from conflux_jax.sampling import SamplingParams
 from serving import formatting as fmt
-from serving.engine_loop import EngineLoopClosed, RequestStream
-from serving.errors import ENGINE_FAILED, APIError
+from serving.engine_loop import EngineLoopClosed, GenerationFailed, RequestStream
+from serving.errors import ENGINE_FAILED, APIError, error_body
 from serving.protocol import GenerationRequest
 from serving.settings import ServerState
 
@@ -32,9 +35,20 @@ async def serve(state: ServerState, request: Request, body: GenerationRequest,
                 form: fmt.ResponseFormat) -> Response:
     """Admit the request, then answer it as an SSE stream or one JSON body."""
     gens = await _start_choices(state, prompt_ids, sampling, body)
+    headers = _served_by(gens)
     if body.stream:
-        return _SSEResponse(gens, _events(gens, form, body.include_usage_in_stream))
-    return JSONResponse(await _collect(gens, request, form))
+        return _SSEResponse(gens, _events(gens, form, body.include_usage_in_stream), headers)
+    return JSONResponse(await _collect(gens, request, form), headers=headers)
+
+
+INSTANCE_HEADER = "x-conflux-instance"
+
+
+def _served_by(gens: list[Generation]) -> dict[str, str]:
+    """The instances that serve the choices, in order (none for a single engine)."""
+    names = dict.fromkeys(g.stream.served_by for g in gens
+                          if g.stream is not None and g.stream.served_by)
+    return {INSTANCE_HEADER: ",".join(names)} if names else {}
 
 
 async def _start_choices(state: ServerState, prompt_ids: list[int], sampling: SamplingParams,
@@ -152,7 +166,7 @@ class Generation:
     async def outputs(self) -> AsyncIterator[StepOutput]:
         assert self.stream is not None
         try:
-            async for out in self.stream:
+            async for out in self._stream_outputs():
                 if out.num_cached_tokens is not None:
                     self.cached_tokens = out.num_cached_tokens
                 if out.new_token_ids:
@@ -166,6 +180,15 @@ class Generation:
                 yield out
         finally:
             self.close()
+
+    async def _stream_outputs(self) -> AsyncIterator[StepOutput]:
+        assert self.stream is not None
+        try:
+            async for out in self.stream:
+                yield out
+        except GenerationFailed:
+            self.finish_reason = "error"  # recorded as an engine failure, not an abort
+            raise
 
     async def run_to_end(self) -> None:
         async for _ in self.outputs():
@@ -203,12 +226,18 @@ async def _collect(gens: list[Generation], request: Request,
                    form: fmt.ResponseFormat) -> dict[str, Any]:
     """Run a non-streaming request's choices to the end, aborting them if the client
     disconnects."""
-    task = asyncio.ensure_future(asyncio.gather(*(g.run_to_end() for g in gens)))
+    runs = [asyncio.ensure_future(g.run_to_end()) for g in gens]
+    task = asyncio.ensure_future(asyncio.gather(*runs))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
-                task.result()
+                try:
+                    task.result()
+                except GenerationFailed as exc:
+                    for run in runs:  # gather leaves the other choices running
+                        run.cancel()
+                    raise APIError(502, str(exc)) from None
                 break
             if await request.is_disconnected():
                 task.cancel()
@@ -231,9 +260,11 @@ class _SSEResponse(StreamingResponse):
     """SSE stream that always ends its requests: a client gone before the first chunk
     never runs the chunk generator (so its ``finally`` never runs); this ``finally`` does."""
 
-    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, gens: list[Generation], chunks: AsyncIterator[bytes],
+                 headers: dict[str, str]) -> None:
         super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **headers})
         self._gens = gens
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -254,11 +285,14 @@ async def _events(gens: list[Generation], form: fmt.ResponseFormat,
             opening = form.opening(i)
             if opening is not None:
                 yield opening
-        async for i, out in _merged(gens):
-            if out.finish_reason == "error":
-                yield form.engine_failed()
-                break
-            yield form.chunk(out, gens[i].finish_reason if out.finished else None, i)
+        try:
+            async for i, out in _merged(gens):
+                if out.finish_reason == "error":
+                    yield form.engine_failed()
+                    break
+                yield form.chunk(out, gens[i].finish_reason if out.finished else None, i)
+        except GenerationFailed as exc:  # its instance failed: say so, as engine_failed
+            yield fmt.sse(error_body(502, str(exc)))
         if include_usage:
             yield form.usage_chunk(_usage(gens))
         yield form.done()

@@ -34,6 +34,7 @@ from conflux_jax.sampling import SamplingParams
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
 from conflux_jax.scheduler.request import Request
+from conflux_jax.scheduler.router import InstanceLoad
 from conflux_jax.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,27 @@ class Engine:
                 stops |= set(self.tokenizer.eos_token_ids)
             self._min_tokens[rid] = (sampling.min_tokens, sorted(stops))
         return rid
+
+    def load_report(self, prompt_ids: Sequence[int], cache_salt: str = "",
+                    max_new_tokens: int = 1) -> InstanceLoad:
+        """What the global router sees of this instance for a prompt about to arrive (its
+        queue, decodes, cached prefix of the prompt, predicted TTFT); looks only.
+
+        Raises ``EngineError`` for a prompt no request could have (empty, out of the
+        vocabulary); one too long for the context is still reported (``add_request``
+        refuses it wherever it goes).
+        """
+        ids = tuple(int(t) for t in prompt_ids)
+        if not ids:
+            raise EngineError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        # A probe, never added: its id only has to be one no live request has.
+        probe = Request(id=-1, arrival_s=time.perf_counter(), prompt_len=len(ids),
+                        max_new_tokens=max(1, max_new_tokens), prompt_token_ids=ids,
+                        cache_salt=cache_salt or "")
+        return self.scheduler.load_report(probe)
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its KV pages (no-op if it already finished)."""
