@@ -384,4 +384,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main, not this __main__ copy's: Ray ships classes and
+    # functions of __main__ by value, each with its own copy of the globals they use, so
+    # the ingress would not find the setup its __init__ kept.
+    from serving import ray_app
+
+    sys.exit(ray_app.main())
