@@ -24,7 +24,7 @@ from ckpt_helpers import (  # noqa: E402
     train_tiny_tokenizer,
     write_hf_folder,
 )
-from serving_helpers import LiveServer, build_tiny_engine  # noqa: E402
+from serving_helpers import LiveServer, serving_tiny_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +36,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_checkpoint: Path) -> Any:
-    engine = build_tiny_engine(tiny_checkpoint)
-    engine.executor.warmup(progress=False)
-    engine.executor.guard.serving = True
-    return engine
+    return serving_tiny_engine(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,14 @@ def build_tiny_engine(checkpoint: Path, **engine_kwargs: Any) -> Any:
                   EngineConfig(executor=ec, **engine_kwargs))
 
 
+def serving_tiny_engine(checkpoint: Path) -> Any:
+    """A tiny engine compiled up front and guarded as a server's is (no compile later)."""
+    engine = build_tiny_engine(checkpoint)
+    engine.executor.warmup(progress=False)
+    engine.executor.guard.serving = True
+    return engine
+
+
 _SHARED_LOOPS: dict[int, list] = {}  # id(engine) -> [its EngineLoop, servers using it]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serving_helpers import build_tiny_engine
+from serving_helpers import serving_tiny_engine
 
 from conflux_jax.bench.server_process import free_port
 from conflux_jax.plan import ExecutorLost
@@ -83,10 +83,7 @@ class RoutedServer:
 
 @pytest.fixture(scope="module")
 def second_engine(tiny_checkpoint: Any) -> Any:
-    engine = build_tiny_engine(tiny_checkpoint)
-    engine.executor.warmup(progress=False)
-    engine.executor.guard.serving = True
-    return engine
+    return serving_tiny_engine(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
