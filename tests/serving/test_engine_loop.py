@@ -21,7 +21,9 @@ def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
         steps.append(set(plan.request_ids))
         return real_execute(plan)
 
-    loop = EngineLoop(tiny_engine)  # idle: blocked on its intake
+    # idle: blocked on its intake. A wider gap than the default 3 ms, so a busy host's
+    # scheduling jitter between the submits cannot split the burst.
+    loop = EngineLoop(tiny_engine, burst_gap_s=0.05, burst_max_s=0.5)
     executor.execute = spy
     try:
         loop.start(warmup=False)
