@@ -169,8 +169,11 @@ def estimate_for(spec: InstanceSpec, truth: LatencyModel, tokens_per_rank: int) 
 PROFILE_CONTEXT = 65536  # the longest context the simulated warm-up profiles
 
 
-def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecutor]:  # noqa: ANN003
-    """Scheduler + simulated executor for a policy (not DistServe: see ``run_policy``)."""
+def build_instance(spec: InstanceSpec, noise_seed: int | None = None,
+                   **overrides) -> tuple[Scheduler, SimExecutor]:  # noqa: ANN003
+    """Scheduler + simulated executor for a policy (not DistServe: see ``run_policy``).
+    ``noise_seed`` (default ``spec.seed``) seeds only the truth's jitter, so identical
+    instances share one fitted estimate and differ only in their clocks' noise."""
     mode, order = POLICIES[spec.policy]
     if mode == "disagg":
         raise ValueError("DistServe runs two instances: use run_policy()")
@@ -199,7 +202,7 @@ def build_instance(spec: InstanceSpec, **overrides) -> tuple[Scheduler, SimExecu
         cfg = dataclasses.replace(cfg, token_budget=budget)
     sched = Scheduler(cfg, plan_with, BlockManager(sp, pages, PAGE_SIZE))  # type: ignore[arg-type]
     ex = SimExecutor(clock, KVSpec(sp, pages, PAGE_SIZE), noise=spec.noise,  # type: ignore[arg-type]
-                     seed=spec.seed)
+                     seed=spec.seed if noise_seed is None else noise_seed)
     return sched, ex
 
 
@@ -271,9 +274,9 @@ def run_policy(spec: InstanceSpec, requests: list[Request]) -> SimReport:
             prefill_kv_tokens=kv_tokens_per_rank(spec.model, spec.hardware, split.prefill_tp)
             if spec.prefix_caching else 0, page_size=PAGE_SIZE)
     if spec.instances > 1:
-        # Each instance's truth draws its own jitter.
-        runs = [build_instance(dataclasses.replace(spec, seed=spec.seed + k))
-                for k in range(spec.instances)]
+        # One estimate for all (the same model on the same hardware ships one fit: the
+        # router compares their predictions), each truth with its own jitter.
+        runs = [build_instance(spec, noise_seed=spec.seed + k) for k in range(spec.instances)]
         return simulate_routed(requests, runs, Router(spec.router), spec.ttft_slo_s,
                                spec.tbt_slo_s)
     sched, ex = build_instance(spec)
