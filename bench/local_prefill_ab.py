@@ -23,12 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from conflux_jax.bench.serve import engine_from_model
+from conflux_jax.engine import Engine
 from conflux_jax.sampling import SamplingParams
 
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def _hit_latency(engine, prefix: list[int], suffix: list[int]) -> tuple[float, int]:  # noqa: ANN001
+def _hit_latency(engine: Engine, prefix: list[int], suffix: list[int]) -> tuple[float, int]:
     engine.generate([prefix], [GREEDY_ONE])
     t0 = time.perf_counter()
     out = engine.generate([prefix + suffix], [GREEDY_ONE])[0]

@@ -75,6 +75,12 @@ class RequestStream:
         # The engine instance serving it, where several serve behind a router.
         self.served_by: str | None = None
 
+    def refuse(self, exc: BaseException) -> None:
+        """The request was not taken: ``accepted`` raises ``exc`` and no output follows."""
+        if not self.accepted.done():
+            self.accepted.set_exception(exc)
+        self.finished = True
+
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         while not self.finished:
             item = await self.queue.get()
@@ -263,17 +269,17 @@ class EngineLoop:
         if isinstance(item, _Add):
             stream = item.stream
             if self._stop.is_set():
-                _post(stream, lambda: _fail_accept(stream, EngineLoopClosed(
+                _post(stream, lambda: stream.refuse(EngineLoopClosed(
                     "the server is shutting down")))
                 return
             try:
                 rid = self.engine.add_request(item.prompt, item.sampling, **item.kwargs)
             except (EngineError, ValueError) as exc:
-                _post(stream, lambda e=exc: _fail_accept(stream, e))
+                _post(stream, lambda e=exc: stream.refuse(e))
                 return
             except Exception as exc:  # never let one request take the loop down
                 log.exception("add_request failed")
-                _post(stream, lambda e=exc: _fail_accept(stream, e))
+                _post(stream, lambda e=exc: stream.refuse(e))
                 return
             stream.request_id = rid
             self._streams[rid] = stream
@@ -341,7 +347,7 @@ class EngineLoop:
                 return
             if isinstance(item, _Add):
                 s = item.stream
-                _post(s, lambda s=s: _fail_accept(s, EngineLoopClosed(
+                _post(s, lambda s=s: s.refuse(EngineLoopClosed(
                     "the server is shutting down")))
             elif isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
                 item.future.set_exception(EngineLoopClosed("the engine loop stopped"))
@@ -383,12 +389,6 @@ def _post(stream: RequestStream, fn: Callable[[], None]) -> None:
 def _accept(stream: RequestStream, rid: int) -> None:
     if not stream.accepted.done():
         stream.accepted.set_result(rid)
-
-
-def _fail_accept(stream: RequestStream, exc: BaseException) -> None:
-    if not stream.accepted.done():
-        stream.accepted.set_exception(exc)
-    stream.finished = True
 
 
 def _deliver(items: list[tuple[RequestStream, StepOutput]]) -> None:

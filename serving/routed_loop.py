@@ -178,7 +178,7 @@ class RoutedLoop:
                 idx = await self._pick(ids, kwargs.get("cache_salt") or "",
                                        sampling.max_tokens or 1, tried)
             except (EngineError, EngineLoopClosed) as exc:
-                _fail_accept(stream, exc)
+                stream.refuse(exc)
                 return
             inst = self.instances[idx]
             events = inst.generate(key, ids, sampling, kwargs)
@@ -201,7 +201,7 @@ class RoutedLoop:
             break
         if isinstance(first, Refused):
             await _close(events)
-            _fail_accept(stream, EngineError(first.message, first.param or "prompt"))
+            stream.refuse(EngineError(first.message, first.param or "prompt"))
             return
         assert isinstance(first, Accepted)
         rid = next(self._ids)
@@ -370,12 +370,6 @@ async def _close(events: AsyncIterator[Event]) -> None:
             await aclose()
         except Exception as exc:  # closing a failed instance's stream can fail too
             log.debug("closing an instance's stream failed: %s", _reason(exc))
-
-
-def _fail_accept(stream: RequestStream, exc: BaseException) -> None:
-    if not stream.accepted.done():
-        stream.accepted.set_exception(exc)
-    stream.finished = True
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--instances must be at least 1")
     if args.routers and args.instances == 1:
         ap.error("--routers needs --instances > 1")
-    routed = [p for p in args.policies or () if POLICIES[p][0] == "disagg"]
-    if args.instances > 1 and routed:
-        ap.error(f"{', '.join(routed)} cannot run behind the global router (it routes "
+    disagg = [p for p in args.policies or () if POLICIES[p][0] == "disagg"]
+    if args.instances > 1 and disagg:
+        ap.error(f"{', '.join(disagg)} cannot run behind the global router (it routes "
                  "between its own prefill and decode replicas)")
     policies = args.policies or [p for p in POLICIES
                                  if args.instances == 1 or POLICIES[p][0] != "disagg"]

@@ -243,11 +243,8 @@ class Engine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise EngineError("the prompt is empty")
+        self._check_prompt_ids(ids)
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise EngineError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise EngineError(f"the prompt has {len(ids)} tokens; this server's context is "
                               f"{self.max_model_len} tokens and generation needs at least one")
@@ -294,6 +291,13 @@ class Engine:
             self._min_tokens[rid] = (sampling.min_tokens, sorted(stops))
         return rid
 
+    def _check_prompt_ids(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise EngineError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+
     def load_report(self, prompt_ids: Sequence[int], cache_salt: str = "",
                     max_new_tokens: int = 1) -> InstanceLoad:
         """What the global router sees of this instance for a prompt about to arrive (its
@@ -304,11 +308,7 @@ class Engine:
         refuses it wherever it goes).
         """
         ids = tuple(int(t) for t in prompt_ids)
-        if not ids:
-            raise EngineError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        self._check_prompt_ids(ids)
         # A probe, never added: its id only has to be one no live request has.
         probe = Request(id=-1, arrival_s=time.perf_counter(), prompt_len=len(ids),
                         max_new_tokens=max(1, max_new_tokens), prompt_token_ids=ids,
