@@ -1,81 +1,114 @@
 #!/usr/bin/env bash
-# GPU check: kernel and step correctness, kernel timings against the device's ceilings, and
-# a short serve benchmark of Llama-3.1-8B-shaped random weights in bf16. One JSON out.
+# GPU check: engine-step and kernel correctness, kernel timings against the device's
+# ceilings, and a short serve benchmark of Llama-3.1-8B-shaped random weights in bf16.
 #
-#   bash bench/gpu_check.sh          # results under $OUT (or a fresh temp dir)
+#   bash bench/gpu_check.sh [BUDGET_S]      # results under $OUT (or a fresh temp dir)
 #
 # Installs and downloads nothing: needs jax with CUDA (the `gpu` extra), pytest,
-# hypothesis, numpy and this package importable. Fits a 15-minute device slot: kernel
-# tests <= 150 s, kernel timings <= 120 s, step check + serve benchmark <= 420 s.
-# Output: check.json (every stage's result; "ok" = tests passed and every stage ran), and
-# per stage env.txt, pytest.txt, bench.txt / kernels.json, serve.txt / serve.json.
+# hypothesis, numpy, flax, tokenizers and this package importable (it runs from the
+# checkout). The whole check ends within BUDGET_S seconds (default 420), so one device
+# call of a 15-minute lease leaves room for a rerun; each stage has its own share and a
+# stage that runs out is cut, not the check:
+#   1. step     the whole engine step (compiled Pallas kernel inside) vs the dense
+#               reference, fp32 and bf16, tiny random Llama                     <= 12%
+#   2. kernels  tests/pallas_kernels against the compiled kernels              <= 22%
+#   3. timings  copy bandwidth, bf16 matmul peak, decode / prefill attention (Pallas with
+#               a small tiling sweep, and the jnp path beside it)               <= 18%
+#   4. serve    8B-shaped bf16 weights, KV pool from --gpu-memory-utilization,
+#               warm-up with calibration, one offline batch, 64-decode step     the rest
+# Output (at most 8 files, as the device tool returns): log.txt (everything printed),
+# check.json (every stage's result; "ok" = correctness passed and every stage ran),
+# step.json, pytest.txt, kernels.json, serve.json.
 # Exit status 0 when correctness passed and every stage ran; performance is reported
 # (kernels.json meets_target_*, serve.json), not enforced.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-$(mktemp -d /tmp/conflux_gpu_check.XXXXXX)}"
 mkdir -p "$OUT_DIR"
-echo "results: $OUT_DIR"
+budget=${1:-420}
+start=$SECONDS
+# A fresh machine: keep compiles of one run in one cache (the serve stage compiles its
+# largest shape for the memory plan, then again at warm-up).
+export CONFLUX_COMPILE_CACHE="${CONFLUX_COMPILE_CACHE:-/tmp/conflux_gpu_check_cache}"
+exec > >(tee -a "$OUT_DIR/log.txt") 2>&1
+echo "results: $OUT_DIR; budget ${budget} s"
 
-python - <<'PY' 2>&1 | tee "$OUT_DIR/env.txt"
-import jax, jaxlib
-print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "backend", jax.default_backend())
+share() {  # seconds for a stage: its share of the budget, never past what is left
+    local want=$(( budget * $1 / 100 )) left=$(( budget - (SECONDS - start) - 15 ))
+    (( want > left )) && want=$left
+    (( want < 10 )) && want=10
+    echo "$want"
+}
+
+python - <<'PY'
+import jax, jaxlib, platform
+print("python", platform.python_version(), "jax", jax.__version__, "jaxlib", jaxlib.__version__,
+      "backend", jax.default_backend())
 print(jax.devices(), [d.device_kind for d in jax.devices()])
 PY
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
+    2>/dev/null || true
 if [ "$(python -c 'import jax; print(jax.default_backend())')" != "gpu" ]; then
-    echo "no GPU backend: this check is meant for a GPU machine" | tee -a "$OUT_DIR/env.txt"
+    echo "no GPU backend: this check is meant for a GPU machine"
     exit 2
 fi
 
-# 1. Kernel correctness: the randomized and hand-picked checks of the CPU suite, against
-# the compiled kernels (interpret mode is covered on CPU; skipping it saves minutes).
-export CONFLUX_KERNEL_TEST_IMPLS="xla,pallas"
-timeout 150 python -m pytest -q -p no:cacheprovider -o addopts="" -rfE -x \
-    --junitxml="$OUT_DIR/pytest.xml" tests/pallas_kernels 2>&1 | tee "$OUT_DIR/pytest.txt"
-tests_rc=${PIPESTATUS[0]}
-unset CONFLUX_KERNEL_TEST_IMPLS
+# 1. The engine step on this device against the dense reference.
+t=$(share 12); echo "== step ($t s)"
+timeout -k 5 "$t" python bench/gpu_serve.py --stage step --json "$OUT_DIR/step.json"
+step_rc=$?
 
-# 2. Kernel timings: the ceilings (copy bandwidth, bf16 matmul peak), decode and prefill
-# attention with a small tiling sweep.
-timeout 120 python -m conflux_jax.bench kernels --json "$OUT_DIR/kernels.json" --budget-s 70 \
-    2>&1 | tee "$OUT_DIR/bench.txt"
-bench_rc=${PIPESTATUS[0]}
+# 2. Kernel correctness: the randomized and hand-picked checks of the CPU suite, against
+# the compiled kernels (interpret mode is covered on CPU; skipping it saves minutes). The
+# CPU-only FFI handlers are not this machine's business.
+t=$(share 22); echo "== kernel tests ($t s)"
+CONFLUX_KERNEL_TEST_IMPLS="xla,pallas" timeout -k 5 "$t" python -m pytest -q \
+    -p no:cacheprovider -o addopts="" -rfE --timeout 60 \
+    --ignore tests/pallas_kernels/test_cpu_attention.py \
+    --ignore tests/pallas_kernels/test_cpu_gemm.py \
+    tests/pallas_kernels >"$OUT_DIR/pytest.txt" 2>&1
+tests_rc=$?
+tail -n 25 "$OUT_DIR/pytest.txt"
 
-# 3. Step correctness (the whole engine step with the compiled kernel vs the dense
-# reference, fp32 and bf16), then the serve benchmark: 8B-shaped random bf16 weights, the
-# KV pool sized from device memory, warm-up with calibration, one batch of 64 requests.
-timeout 420 python bench/gpu_serve.py --stage all --json "$OUT_DIR/serve.json" \
-    2>&1 | tee "$OUT_DIR/serve.txt"
-serve_rc=${PIPESTATUS[0]}
+# 3. Kernel timings: the ceilings, decode and prefill attention with a small tiling sweep.
+t=$(share 18); echo "== kernel timings ($t s)"
+timeout -k 5 "$t" python -m conflux_jax.bench kernels --json "$OUT_DIR/kernels.json" \
+    --budget-s $(( t * 55 / 100 ))
+bench_rc=$?
 
-python - "$OUT_DIR" "$tests_rc" "$bench_rc" "$serve_rc" <<'PY' | tee "$OUT_DIR/summary.txt"
+# 4. The serve benchmark: the rest of the budget.
+t=$(share 100); echo "== serve ($t s)"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout -k 5 "$t" python bench/gpu_serve.py \
+    --stage serve --json "$OUT_DIR/serve.json"
+serve_rc=$?
+
+python - "$OUT_DIR" "$step_rc" "$tests_rc" "$bench_rc" "$serve_rc" <<'PY'
 import json, sys
 from pathlib import Path
 
-out, tests_rc, bench_rc, serve_rc = Path(sys.argv[1]), *map(int, sys.argv[2:])
+out = Path(sys.argv[1])
+rcs = dict(zip(("step_rc", "kernel_tests_rc", "kernel_bench_rc", "serve_rc"),
+               map(int, sys.argv[2:]), strict=True))
 
 def load(name):
-    p = out / name
     try:
-        return json.loads(p.read_text())
+        return json.loads((out / name).read_text())
     except (OSError, ValueError):
         return None
 
-env = (out / "env.txt").read_text().splitlines()
-check = {"env": env, "kernel_tests_rc": tests_rc, "kernel_bench_rc": bench_rc,
-         "serve_rc": serve_rc, "kernels": load("kernels.json"), "serve": load("serve.json")}
-step = (check["serve"] or {}).get("step") or {}
-check["ok"] = tests_rc == 0 and bench_rc == 0 and serve_rc == 0 and \
-    bool(step) and all(v.get("ok") for v in step.values())
+check = {**rcs, "step": (load("step.json") or {}).get("step"), "kernels": load("kernels.json"),
+         "serve": (load("serve.json") or {}).get("serve")}
+tail = (out / "pytest.txt").read_text().splitlines()[-1:] if (out / "pytest.txt").exists() else []
+check["kernel_tests"] = tail
+check["ok"] = all(v == 0 for v in rcs.values()) and bool(check["step"]) and \
+    all(v.get("ok") for v in check["step"].values())
 (out / "check.json").write_text(json.dumps(check, indent=2))
-print(f"kernel tests exit {tests_rc}, kernel bench exit {bench_rc}, step+serve exit "
-      f"{serve_rc}; ok={check['ok']}; {out / 'check.json'}")
-serve = (check["serve"] or {}).get("serve") or {}
+print("summary:", json.dumps(rcs), "ok =", check["ok"])
 for key in ("memory", "latency_model", "serve", "decode_64"):
-    if key in serve:
-        print(key, json.dumps(serve[key]))
+    if key in (check["serve"] or {}):
+        print(key, json.dumps(check["serve"][key]))
 PY
-grep -E "^(ceilings|decode|prefill|write_kv)" "$OUT_DIR/bench.txt" >>"$OUT_DIR/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$serve_rc" -eq 0 ]
+echo "elapsed $(( SECONDS - start )) s"
+[ "$step_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$serve_rc" -eq 0 ]

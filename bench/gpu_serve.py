@@ -131,7 +131,9 @@ def random_device_params(config: Any, seed: int = 0) -> Any:
     return jax.tree.unflatten(tree, arrays)
 
 
-def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+def serve_bench(args: argparse.Namespace, report: Any) -> dict[str, Any]:
+    """Runs the serve benchmark; ``report(part)`` is called with each finished part, so a
+    stage cut by its time limit still leaves what it measured."""
     import jax
 
     from conflux_jax import SamplingParams
@@ -162,9 +164,21 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     del params  # the executor holds its own (donated to nothing, so the same buffers)
     build_s = time.perf_counter() - t0
     estimate = engine.latency_model.meta.get("source", "built-in")
+    ex, mp = engine.executor, engine.executor.memory
+    memory = {"num_pages": mp.num_pages, "kv_tokens": mp.num_pages * ec.page_size,
+              "device_gib": mp.device_bytes / 2**30, "budget_gib": mp.budget_bytes / 2**30,
+              "weights_gib": mp.weight_bytes / 2**30,
+              "activations_gib": mp.activation_bytes / 2**30,
+              "largest_shape": str(mp.largest_shape)}
+    report({"device": ex.device_kind, "dtype": ex.dtype.name, "attention_impl": _impl(),
+            "init_s": init_s, "engine_build_s": build_s, "memory": memory})
     warm_s = engine.warmup(progress=False)
     engine.executor.guard.serving = True
-    ex, mp = engine.executor, engine.executor.memory
+    report({"warmup_s": warm_s, "shapes_compiled": len(ex._compiled),
+            "latency_model": {"before_warmup": estimate,
+                              "source": engine.latency_model.meta.get("source"),
+                              "heldout_mape_pct": engine.latency_model.meta.get(
+                                  "heldout_mape_pct")}})
 
     rng = np.random.default_rng(0)
     lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.num_prompts)
@@ -176,6 +190,14 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     ttft = [o.metrics["first_token_s"] - o.metrics["arrival_s"] for o in outs]
     tbt = [b - a for o in outs for a, b in zip(o.metrics["token_times_s"],
                                               o.metrics["token_times_s"][1:], strict=False)]
+    pct = (lambda xs, q: float(np.percentile(xs, q)) if xs else None)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    report({"serve": {"requests": len(outs), "prompt_tokens": int(lens.sum()),
+                      "output_tokens": out_tokens, "wall_s": wall,
+                      "output_tok_s": out_tokens / wall,
+                      "total_tok_s": (out_tokens + int(lens.sum())) / wall,
+                      "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+                      "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99)}})
     # One decode-only step at the decode bucket: against reading the weights once.
     decode_prompts = [rng.integers(3, cfg.vocab_size, 32).tolist() for _ in range(64)]
     t0 = time.perf_counter()
@@ -185,28 +207,11 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                o.metrics["token_times_s"][9:], strict=False)]
     hw = hardware_for_device_kind(ex.device_kind)
     floor = mp.weight_bytes / hw.hbm_bw if hw else None
-    pct = (lambda xs, q: float(np.percentile(xs, q)) if xs else None)
-    return {
-        "device": ex.device_kind, "dtype": ex.dtype.name, "init_s": init_s,
-        "engine_build_s": build_s, "warmup_s": warm_s, "shapes_compiled": len(ex._compiled),
-        "memory": {"num_pages": mp.num_pages, "kv_tokens": mp.num_pages * ec.page_size,
-                   "device_gib": mp.device_bytes / 2**30, "budget_gib": mp.budget_bytes / 2**30,
-                   "weights_gib": mp.weight_bytes / 2**30,
-                   "activations_gib": mp.activation_bytes / 2**30,
-                   "largest_shape": str(mp.largest_shape)},
-        "latency_model": {"before_warmup": estimate,
-                          "source": engine.latency_model.meta.get("source"),
-                          "heldout_mape_pct": engine.latency_model.meta.get("heldout_mape_pct")},
-        "serve": {"requests": len(outs), "prompt_tokens": int(lens.sum()),
-                  "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                  "wall_s": wall,
-                  "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
-                  "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-                  "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99)},
-        "decode_64": {"step_p50_s": pct(steps, 50), "weight_read_floor_s": floor,
-                      "tokens_s": 64 / pct(steps, 50) if steps else None,
-                      "wall_s": time.perf_counter() - t0},
-    }
+    step_p50 = pct(steps, 50)
+    return {"decode_64": {"step_p50_s": step_p50, "weight_read_floor_s": floor,
+                          "floor_share": floor / step_p50 if floor and step_p50 else None,
+                          "tokens_s": 64 / step_p50 if step_p50 else None,
+                          "wall_s": time.perf_counter() - t0}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,8 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         print("step:", json.dumps(result["step"]), flush=True)
         args.json.write_text(json.dumps(result, indent=2))
     if args.stage in ("serve", "all"):
-        result["serve"] = serve_bench(args)
-        print("serve:", json.dumps(result["serve"]), flush=True)
+        result["serve"] = {}
+
+        def report(part: dict[str, Any]) -> None:
+            result["serve"].update(part)
+            print("serve:", json.dumps(part), flush=True)
+            args.json.write_text(json.dumps(result, indent=2))
+
+        report(serve_bench(args, report))
     args.json.write_text(json.dumps(result, indent=2))
     return 0 if ok else 1
 

@@ -167,6 +167,18 @@ def sweep(
     return rows
 
 
+def jnp_path_row(shape: Shape, metric: Callable[[float], float], iters: int) -> dict[str, Any]:
+    """The op's jnp path (``impl="xla"``) on the same inputs: the kernel's baseline."""
+    row: dict[str, Any] = {"impl": "xla"}
+    try:
+        row.update(time_call(attention_fn("xla"), make_inputs(shape), iters))
+        row["metric"] = metric(row["min_ms"])
+    except Exception as e:  # e.g. out of memory on a long prefill: reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"  {shape.name} {row}", flush=True)
+    return row
+
+
 def _best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     ok = [r for r in rows if "metric" in r and r.get("finite")]
     return max(ok, key=lambda r: r["metric"]) if ok else None
@@ -220,9 +232,9 @@ def bench_gpu(
     )
 
     result: dict[str, Any] = {"copy": copy, "matmul": mm}
-    for name, rows, ceiling, target, unit in (
-        ("decode", d_rows, copy["gb_per_s"], DECODE_TARGET, "GB/s"),
-        ("prefill", p_rows, mm["tflop_per_s"], PREFILL_TARGET, "TFLOP/s"),
+    for name, rows, ceiling, target, unit, shape, metric in (
+        ("decode", d_rows, copy["gb_per_s"], DECODE_TARGET, "GB/s", decode, gbs),
+        ("prefill", p_rows, mm["tflop_per_s"], PREFILL_TARGET, "TFLOP/s", prefill, tflops),
     ):
         best = _best(rows)
         default = rows[0] if "metric" in rows[0] else None
@@ -238,13 +250,16 @@ def bench_gpu(
             "meets_target_best": bool(best and best["metric"] >= target * ceiling),
             "sweep": rows,
         }
+        # The baseline beside the kernel: the same op through the jnp path, compiled by XLA.
+        entry["xla"] = jnp_path_row(shape, metric, iters=3 if dry_run else 10)
         result[name] = entry
         d_txt = f"{default['metric']:.1f}" if default else "failed"
         b_txt = f"{best['metric']:.1f} with {best['block_sizes']}" if best else "failed"
+        x_txt = f"{entry['xla']['metric']:.1f}" if "metric" in entry["xla"] else "failed"
         print(
-            f"{name}: default {d_txt} {unit}, best {b_txt} {unit}; ceiling {ceiling:.1f}; "
-            f"target {target:.0%} -> default {entry['meets_target_default']}, best "
-            f"{entry['meets_target_best']}",
+            f"{name}: default {d_txt} {unit}, best {b_txt} {unit}; jnp path {x_txt} {unit}; "
+            f"ceiling {ceiling:.1f}; target {target:.0%} -> default "
+            f"{entry['meets_target_default']}, best {entry['meets_target_best']}",
             flush=True,
         )
     result["write_kv"] = bench_write_kv(
