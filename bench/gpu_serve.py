@@ -85,19 +85,23 @@ def step_check() -> dict[str, Any]:
             logits_all = [np.asarray(reference.forward(
                 cfg, ref_params, (p + o.outputs[0].token_ids + [0] * 256)[:256]), np.float32)
                 for p, o in zip(prompts, got, strict=True)]
-        mismatches, worst = 0, 0.0
+        # The reference runs on the engine's own tokens (teacher forcing), so every
+        # position is judged on its own: the engine's pick must be the reference's argmax,
+        # or (bf16) a near-tie with it, within the log-probability tolerance.
+        tol = 1e-3 if dtype == "float32" else 0.1
+        wrong, ties, worst = 0, 0, 0.0
         for prompt, o, logits in zip(prompts, got, logits_all, strict=True):
             toks = o.outputs[0].token_ids
-            rows = logits[len(prompt) - 1:len(prompt) + n_new - 1]
-            mismatches += int(toks != rows.argmax(-1).tolist())
-            lp = np.asarray(jax.nn.log_softmax(rows))
+            lp = np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:len(prompt) + n_new - 1]))
+            gap = lp.max(-1) - lp[np.arange(len(toks)), toks]
+            wrong += int(np.sum(gap > tol))
+            ties += int(np.sum((gap > 0) & (gap <= tol)))
             for i, top in enumerate(o.outputs[0].logprobs):
                 ids = list(top)
                 worst = max(worst, float(np.max(np.abs(np.array([top[t] for t in ids])
                                                        - lp[i, ids]))))
-        tol = 1e-3 if dtype == "float32" else 0.1
-        out[dtype] = {"sequences_mismatched": mismatches, "max_logprob_err": worst,
-                      "tolerance": tol, "ok": mismatches == 0 and worst <= tol,
+        out[dtype] = {"tokens_wrong": wrong, "near_tie_picks": ties, "max_logprob_err": worst,
+                      "tolerance": tol, "ok": wrong == 0 and worst <= tol,
                       "attention_impl": _impl(), "device": jax.devices()[0].device_kind}
     return out
 
