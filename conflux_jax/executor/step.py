@@ -269,8 +269,12 @@ def _send_shards(shards: jax.Array, count: jax.Array) -> jax.Array:
 
     On GPU and TPU a ragged all-to-all sends only the live rows; XLA:CPU has none, so
     there a dense all-to-all sends every block whole (simulated ranks share host memory).
+    One rank sends nothing: no collective is compiled (XLA:GPU ran a ragged all-to-all over
+    a single device as a slow kernel of its own, ~0.5 ms a call on an H200).
     """
     n = count.shape[0]
+    if n == 1:
+        return shards
     y = shards.shape[0] // n
     me = jax.lax.axis_index(SP)
 
@@ -294,9 +298,21 @@ def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) ->
     ``r*X + j`` is source rank r's j-th group bound here; rows past ``count[me]`` are 0.
     On GPU and TPU a ragged all-to-all moves exactly the live groups. XLA:CPU has no
     ragged all-to-all, so there a dense all-to-all of per-destination padded blocks gives
-    the same result (simulated ranks share host memory: no link to save).
+    the same result (simulated ranks share host memory: no link to save). One rank keeps
+    its blocks: a local gather, no collective (see ``_send_shards``).
     """
     n, x = start.shape[0], src.shape[0]
+
+    def blocks(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+        """f[N*X, ...]: destination d's groups in rows d*X.., zero past count[d]."""
+        j = jnp.arange(x, dtype=jnp.int32)
+        live = j[None, :] < count[:, None]  # [N(dest), X]
+        rows = jnp.where(live, start[:, None] + j[None, :], 0)
+        out = jnp.where(live.reshape(n, x, *[1] * (src.ndim - 1)), src[rows], 0)
+        return out.reshape(n * x, *src.shape[1:])
+
+    if n == 1:
+        return blocks(src, start, count)
     me = jax.lax.axis_index(SP)
 
     def ragged(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
@@ -306,12 +322,7 @@ def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) ->
             jnp.full((n,), count[me], jnp.int32), axis_name=SP)
 
     def dense(src: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
-        j = jnp.arange(x, dtype=jnp.int32)
-        live = j[None, :] < count[:, None]  # [N(dest), X]
-        rows = jnp.where(live, start[:, None] + j[None, :], 0)
-        blocks = jnp.where(live.reshape(n, x, *[1] * (src.ndim - 1)), src[rows], 0)
-        return jax.lax.all_to_all(blocks.reshape(n * x, *src.shape[1:]), SP, 0, 0,
-                                  tiled=True)
+        return jax.lax.all_to_all(blocks(src, start, count), SP, 0, 0, tiled=True)
 
     return jax.lax.platform_dependent(src, start, count, cpu=dense, default=ragged)
 

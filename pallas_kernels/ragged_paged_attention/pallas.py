@@ -3,7 +3,8 @@ run with ``interpret=True`` on any backend (``impl="interpret"``).
 
 A flash-attention kernel. Program ``(b, h, k)`` takes query block ``b`` of the schedule
 (``block_q`` tokens of one sequence times the ``Hq // Hkv`` query heads sharing KV head ``h``,
-so every KV tile it loads feeds the whole GQA group), walks that sequence's pages in tiles of
+so every KV tile it loads feeds the whole GQA group; a group that is not a power of two is
+padded with zero query heads before the launch), walks that sequence's pages in tiles of
 ``block_kv`` tokens with an online softmax, and handles the ``k``-th of ``kv_splits`` slices of
 its KV range (flash-decoding; the slices are merged afterwards by a small ``jnp`` epilogue).
 Tiles entirely below the block's first query position skip masking.
@@ -89,14 +90,13 @@ def _rpa_kernel(
     ntok_ref: Any,  # i32[G]  valid tokens in the block
     pos0_ref: Any,  # i32[G]  absolute position of the block's first token
     page_table_ref: Any,  # i32[S, pages_per_seq]  already clipped to [0, P)
-    q_ref: Any,  # f[T*Hq, d]
+    q_ref: Any,  # f[T*Hq, d]  Hq = Hkv * group, group a power of two
     k_ref: Any,  # f[P*page_size, Hkv, d]
     v_ref: Any,  # f[P*page_size, Hkv, d]
     *out_refs: Any,  # kv_splits == 1: o f[T*Hq, d]
     # else: o f32[splits, T*Hq, d] (normalised per split), m f32[splits, T*Hq], l (same)
     sm_scale: float,
     group: int,
-    group_pad: int,
     page_size: int,
     block_q: int,
     block_kv: int,
@@ -111,13 +111,13 @@ def _rpa_kernel(
         num_rows, head_dim = q_ref.shape
         pages_per_seq = page_table_ref.shape[1]
         num_q_heads = k_ref.shape[1] * group
-        rows_per_block = block_q * group_pad
+        rows_per_block = block_q * group
         tok0, ntok, pos0 = tok0_ref[blk], ntok_ref[blk], pos0_ref[blk]
 
-        # Row r of the block is query token r // group_pad, head h*group + r % group_pad.
+        # Row r of the block is query token r // group, head h*group + r % group.
         r = lax.iota(jnp.int32, rows_per_block)
-        t_local, g = lax.div(r, group_pad), lax.rem(r, group_pad)
-        row_ok = (t_local < ntok) & (g < group)
+        t_local, g = lax.div(r, group), lax.rem(r, group)
+        row_ok = t_local < ntok
         rows = (tok0 + t_local) * num_q_heads + head * group + g
         cols = lax.iota(jnp.int32, head_dim)
         row_mask = jnp.broadcast_to(row_ok[:, None], (rows_per_block, head_dim))
@@ -203,10 +203,18 @@ def rpa_pallas(
     """Jitted kernel launch plus the split-KV merge: inputs already validated, ``sm_scale``
     resolved, ``bs`` checked for ``interpret`` (or, with ``interpret=False``, for Triton)."""
     plgpu = triton_module()
-    t, hq, d = q.shape
+    t, hq_in, d = q.shape
     p, ps, hkv, _ = k_pages.shape
     s, _ = page_indices.shape
-    group = hq // hkv
+    group_in = hq_in // hkv
+    group = next_pow2(group_in)
+    if group != group_in:
+        # Zero query heads fill each group to a power of two, so the kernel never masks a
+        # row of a live token (on an H200, float32 calls with GQA groups of 3 and masked
+        # rows never completed). The kernel computed those rows anyway: only q grows.
+        q = jnp.pad(q.reshape(t, hkv, group_in, d), ((0, 0), (0, 0), (0, group - group_in),
+                                                     (0, 0))).reshape(t, hkv * group, d)
+    hq = hkv * group
     kv_lens, page_indices, cu, n = prepare_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, s)
     sch = build_schedule(cu, kv_lens, num_tokens=t, block_q=bs.block_q)
     num_blocks = sch.seq.shape[0]
@@ -218,7 +226,6 @@ def rpa_pallas(
         _rpa_kernel,
         sm_scale=sm_scale,
         group=group,
-        group_pad=next_pow2(group),
         page_size=ps,
         block_q=bs.block_q,
         block_kv=bs.block_kv,
@@ -260,4 +267,6 @@ def rpa_pallas(
         out = out / jnp.where(denom == 0, 1.0, denom)[:, None]
     # Rows of padding tokens were never written (garbage / NaN): select, don't multiply.
     out = jnp.where(token_mask(cu, n, t)[:, None, None], out.reshape(t, hq, d), 0)
+    if group != group_in:
+        out = out.reshape(t, hkv, group, d)[:, :, :group_in].reshape(t, hq_in, d)
     return out.astype(q.dtype)

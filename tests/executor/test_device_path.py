@@ -101,6 +101,19 @@ def test_whole_step_lowers_for_cuda(case: str, monkeypatch) -> None:
     assert "triton" in text and "all_to_all" not in text  # decode stays on its rank
 
 
+def test_one_rank_moves_kv_without_a_collective(monkeypatch) -> None:
+    """On a one-rank mesh the KV transfer and the prefix-cache loads are local gathers:
+    the step lowered for CUDA has no all-to-all of any kind (XLA:GPU ran a ragged one over
+    a single device as a kernel of its own, ~0.5 ms per layer and pool on an H200)."""
+    monkeypatch.setattr(kernel_common, "on_gpu", lambda: True)
+    ex, _ = _executor(TINY_LLAMA, "sp=1,tp=1", "pallas")
+    mixed = ex.planner.shape_for(prefill_max=6, decode_max=2, combined_max=8,
+                                 decode_pages_max=4, transfer_max=3)
+    assert mixed.prefill and mixed.decode and mixed.transfer
+    text = _lower(ex, mixed, "cuda")
+    assert "triton" in text and "all_to_all" not in text
+
+
 def test_whole_step_lowers_for_tpu() -> None:
     """Without a TPU the step lowers for TPU with the jnp attention path: the collectives,
     the ragged transfer and the in-place pool updates are all expressible there. (The
