@@ -47,7 +47,13 @@ for name, c in (("decode x16", 16), ("decode x1", 1)):
     batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
                                               StepBatch.specs()))
     split = hasattr(ex, "_samplers")  # a step of forward + sampler (older trees: one)
-    if split:
+    if hasattr(ex, "device_inputs"):  # packed inputs: the executor puts them itself
+        forward, sampler = ex.compiled_step(shape)
+        inputs = ex.device_inputs(host)
+        def step(params, k, v, batch):
+            out = forward(params, k, v, *inputs.forward)
+            return out, sampler(out.logits, inputs.sample)
+    elif split:
         forward = ex._compiled[shape]
         sampler = ex._samplers[StepBatch.sample_rows(shape, ex.layout)]
         def step(params, k, v, batch):
@@ -63,7 +69,7 @@ for name, c in (("decode x16", 16), ("decode x1", 1)):
         t = time.perf_counter()
         res, sampled = step(ex.params, ex.k_pool, ex.v_pool, batch)
         ex.k_pool, ex.v_pool = res.k_pool, res.v_pool
-        sampled.tokens.block_until_ready()
+        jax.block_until_ready(sampled)
         times.append(time.perf_counter() - t)
     out[name] = times[1:]
 print("AB-RESULT " + json.dumps(out))

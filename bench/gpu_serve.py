@@ -39,14 +39,9 @@ LLAMA_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096,
 
 def word_tokenizer(vocab: int) -> Any:
     """Token i <-> word "w{i}": random-weight models need no real tokenizer."""
-    import tokenizers
-
     from conflux_jax.tokenizer import Tokenizer
 
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(backend, eos_token_ids=(2,))
+    return Tokenizer.word_level(vocab)
 
 
 def step_check() -> dict[str, Any]:

@@ -34,7 +34,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 import conflux_jax.executor.step as step_module
 from conflux_jax.bench.compare import make_prompts
@@ -91,8 +90,7 @@ def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN4
     """Fastest of ``repeats`` runs of freshly built and compiled steps on ``host``, one per
     ``configs`` entry (``StepConfig`` fields to change), run in turn so that a slow spell
     of the machine falls on all of them."""
-    shardings = jax.tree.map(lambda s: NamedSharding(ex.mesh, s), StepBatch.specs())
-    batch = jax.device_put(host, shardings)
+    inputs = ex.device_inputs(host)
     forwards = [step_module.build_step(dataclasses.replace(ex.step_config, **cfg), ex.mesh,
                                        ex._param_specs).forward
                 .lower(*ex._abstract_args(shape)).compile() for cfg in configs]
@@ -102,9 +100,9 @@ def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN4
     for i in range(repeats + 1):  # the first round is a warm-up
         for j, forward in enumerate(forwards):
             start = time.perf_counter()
-            out = forward(ex.params, ex.k_pool, ex.v_pool, batch.rank, batch.shared)
+            out = forward(ex.params, ex.k_pool, ex.v_pool, *inputs.forward)
             ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
-            sampler(out.logits, batch.sample).tokens.block_until_ready()
+            jax.block_until_ready(sampler(out.logits, inputs.sample))
             if i:
                 best[j] = min(best[j], time.perf_counter() - start)
     return best

@@ -59,6 +59,15 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self._chat_template = chat_template
 
+    @classmethod
+    def word_level(cls, vocab_size: int, eos_token_ids: Iterable[int] = (2,)) -> Tokenizer:
+        """Token i <-> word "w{i}", split on whitespace: what random-weight models in
+        benchmarks and tests need (no real tokenizer to load)."""
+        backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+            {f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        return cls(backend, eos_token_ids=eos_token_ids)
+
     # ----------------------------------------------------------------- basic properties
     @property
     def vocab_size(self) -> int:

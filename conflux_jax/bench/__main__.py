@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimator": ("conflux_jax.bench.estimator",
                   "profile the real executor, fit the latency model, report MAPE"),
     "executor": ("conflux_jax.bench.executor", "XP vs baseline executor step times"),
+    "host-time": ("conflux_jax.bench.host_time",
+                  "host time per iteration at many resident decodes, share of the step"),
     "repro": ("conflux_jax.bench.repro", "paper Table 2 and Fig. 12 in simulation (H100)"),
     "serve": ("conflux_jax.bench.serve",
               "replay a workload against a server or in-process engine (vLLM metrics)"),

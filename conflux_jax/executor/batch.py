@@ -8,7 +8,8 @@ Inputs are grouped by sharding: :class:`RankInputs` and :class:`SampleRows` (a l
 :class:`SharedInputs` (replicated: after the all-to-all every rank holds every prefill
 token for its head shard, so the prefill attention metadata is the same everywhere).
 :meth:`StepBatch.padding` is the one constructor; the host fills its numpy arrays in
-place and sends each executable's part with one ``device_put``. Shapes use: N ranks, T
+place and sends each executable's part with one ``device_put`` of one :class:`Packed`
+buffer per sharding (the sampler's large buffers apart). Shapes use: N ranks, T
 token slots, P prefill slots, D decode slots, S prefill sequences, R = D + S sampling
 rows, Wd / Wp page-table widths (decode / prefill view), X transfer page groups, K top
 logprobs, V vocabulary.
@@ -20,7 +21,7 @@ scatter; transfer destination page ids ``num_pages`` are dropped.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -215,15 +216,131 @@ class StepBatch:
             sample=SampleRows(*[per_rank] * len(dataclasses.fields(SampleRows))))
 
 
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """Where each array of a packed tree lies in its buffer (hashable: static)."""
+
+    treedef: Any  # the tree's structure
+    shapes: tuple[tuple[int, ...], ...]  # each leaf's shape ([N, ...] when per rank)
+    dtypes: tuple[str, ...]  # each leaf's dtype: 4 bytes wide (int32, float32, uint32)
+    per_rank: bool  # leaves carry a leading [N] rank axis, kept as the buffer's first
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A tree of small arrays as one int32 buffer: one host-to-device transfer (one shard
+    per device) for the step's inputs instead of one per array, and the same arrays again
+    on the device by slicing (free inside the compiled step).
+
+    ``buf``: i32[N, K] per rank (leaf i in columns of its own), else i32[K]. ``layout`` is
+    static: it is part of the compiled step's signature, like a shape.
+    """
+
+    def __init__(self, buf: Any, layout: PackLayout) -> None:
+        self.buf = buf
+        self.layout = layout
+
+    def tree_flatten(self) -> tuple[tuple[Any], PackLayout]:
+        return (self.buf,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: PackLayout, children: Any) -> Packed:
+        return cls(children[0], layout)
+
+    @classmethod
+    def pack(cls, tree: Any, per_rank: bool) -> Packed:
+        """Host side: ``tree``'s numpy leaves (4-byte dtypes) concatenated."""
+        leaves, treedef = jax.tree.flatten(tree)
+        arrays = [np.asarray(leaf) for leaf in leaves]
+        if any(a.dtype.itemsize != 4 for a in arrays):
+            raise TypeError("only 4-byte dtypes pack into an int32 buffer")
+        if per_rank:
+            n = arrays[0].shape[0]
+            buf = np.concatenate([a.view(np.int32).reshape(n, -1) for a in arrays], axis=1)
+        else:
+            buf = np.concatenate([a.view(np.int32).reshape(-1) for a in arrays])
+        layout = PackLayout(treedef, tuple(a.shape for a in arrays),
+                            tuple(a.dtype.name for a in arrays), per_rank)
+        return cls(buf, layout)
+
+    def unpack(self) -> Any:
+        """Device side (traced): the tree again. Per rank, the leading axis is the
+        buffer's own (1 inside ``shard_map``, N outside)."""
+        import jax.numpy as jnp
+
+        lay, buf, out, at = self.layout, self.buf, [], 0
+        for shape, dtype in zip(lay.shapes, lay.dtypes, strict=True):
+            inner = shape[1:] if lay.per_rank else shape
+            size = int(np.prod(inner, dtype=np.int64))
+            piece = buf[:, at:at + size] if lay.per_rank else buf[at:at + size]
+            at += size
+            if dtype != "int32":
+                piece = jax.lax.bitcast_convert_type(piece, jnp.dtype(dtype))
+            out.append(piece.reshape((buf.shape[0], *inner) if lay.per_rank else inner))
+        return jax.tree.unflatten(lay.treedef, out)
+
+
+# The sampler's small per-row fields travel packed; the large buffers stay arrays of their
+# own (most steps send the executor's device-resident padding for them).
+SAMPLE_PACKED = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "presence",
+                 "frequency", "repetition", "num_prompt")
+
+
+class PackedSample(NamedTuple):
+    """``SampleRows`` as the sampler takes it: the small fields packed (i32[N, 10R])."""
+
+    small: Packed
+    bitmask: Any  # i32[N, R, W]
+    history: Any  # i32[N, R, H]
+    bias_ids: Any  # i32[N, R, B]
+    bias: Any  # f32[N, R, B]
+
+    @classmethod
+    def pack(cls, rows: SampleRows) -> PackedSample:
+        small = Packed.pack({k: getattr(rows, k) for k in SAMPLE_PACKED}, per_rank=True)
+        return cls(small, rows.bitmask, rows.history, rows.bias_ids, rows.bias)
+
+    def unpack(self) -> SampleRows:
+        return SampleRows(**self.small.unpack(), bitmask=self.bitmask, history=self.history,
+                          bias_ids=self.bias_ids, bias=self.bias)
+
+
+def pack_forward(batch: StepBatch) -> tuple[Packed, Packed]:
+    """The forward's inputs of a host batch: ``rank`` (per rank) and ``shared``, packed."""
+    return Packed.pack(batch.rank, per_rank=True), Packed.pack(batch.shared, per_rank=False)
+
+
+def unpacked(x: Any) -> Any:
+    """``x`` itself, or the tree a :class:`Packed` / :class:`PackedSample` carries."""
+    return x.unpack() if isinstance(x, Packed | PackedSample) else x
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampledRows:
-    """What the sampler drew, per rank and sampling row."""
+    """What the sampler drew, per rank and sampling row. The sampler returns it packed
+    (``pack``: one array, so the host reads one buffer per device, not four)."""
 
     tokens: jax.Array  # i32[N, R]
     logprobs: jax.Array  # f32[N, R]
     top_ids: jax.Array  # i32[N, R, K]
     top_logprobs: jax.Array  # f32[N, R, K]
+
+    def pack(self) -> jax.Array:  # i32[N, R, 2 + 2K]
+        """Device side: token, log-probability, top ids, top log-probabilities per row
+        (floats bit-cast)."""
+        import jax.numpy as jnp
+
+        as_i32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+        return jnp.concatenate([self.tokens[..., None], as_i32(self.logprobs)[..., None],
+                                self.top_ids, as_i32(self.top_logprobs)], axis=-1)
+
+    @classmethod
+    def from_packed(cls, buf: np.ndarray) -> SampledRows:
+        """Host side: numpy views of what ``pack`` made (buf i32[N, R, 2 + 2K])."""
+        k = (buf.shape[-1] - 2) // 2
+        return cls(buf[..., 0], buf[..., 1].view(np.float32), buf[..., 2:2 + k],
+                   buf[..., 2 + k:].view(np.float32))
 
 
 @jax.tree_util.register_dataclass

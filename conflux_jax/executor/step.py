@@ -31,16 +31,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from conflux_jax.config import ModelConfig
 from conflux_jax.executor.batch import (
     ForwardOutputs,
+    Packed,
+    PackedSample,
     RankInputs,
     SampledRows,
     SampleRows,
     SharedInputs,
     StepBatch,
+    unpacked,
 )
 from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
@@ -108,10 +112,11 @@ def param_specs(params: Params) -> Params:
 
 
 def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.Array,
-                  rank: RankInputs, meta: SharedInputs) -> ForwardOutputs:
+                  rank: RankInputs | Packed, meta: SharedInputs | Packed) -> ForwardOutputs:
     """The forward's body on every device. Per-rank arrays arrive with a leading axis of
-    size 1."""
+    size 1, as they are or packed (what the executor sends: one buffer each)."""
     n, ps = cfg.num_ranks, cfg.page_size
+    rank, meta = unpacked(rank), unpacked(meta)
     b = jax.tree.map(lambda a: a[0], rank)  # this rank's inputs
     k_pool, v_pool = k_pool[0], v_pool[0]  # f[L, pages, ps, Hkv_local, d]
     model = Decoder(cfg.model, params)
@@ -179,15 +184,17 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
     return ForwardOutputs(k_pool[None], v_pool[None], logits[None])
 
 
-def _rank_sample(cfg: StepConfig, logits: jax.Array, rows: SampleRows) -> SampledRows:
-    """The sampler's body on every device: logits f32[1, R, V], rows [1, R, ...]."""
-    rows = jax.tree.map(lambda a: a[0], rows)
+def _rank_sample(cfg: StepConfig, logits: jax.Array, rows: SampleRows | PackedSample
+                 ) -> jax.Array:
+    """The sampler's body on every device: logits f32[1, R, V], rows [1, R, ...] (as they
+    are or packed) -> the sampled rows packed, i32[1, R, 2 + 2K] (``SampledRows.pack``)."""
+    rows = jax.tree.map(lambda a: a[0], unpacked(rows))
     adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,
                               rows.frequency, rows.repetition, rows.bias_ids, rows.bias)
     sampled = SampledRows(*sample(
         logits[0], rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
         cfg.num_top_logprobs, adjust, rows.min_p))
-    return jax.tree.map(lambda a: a[None], sampled)
+    return sampled.pack()[None]
 
 
 def _cpu_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
@@ -332,32 +339,36 @@ class Step:
     """The step's two jitted functions (see the module docstring)."""
 
     forward: Any  # (params, k_pool, v_pool, RankInputs, SharedInputs) -> ForwardOutputs
-    sample: Any  # (logits f32[N, R, V], SampleRows) -> SampledRows
+    # (logits f32[N, R, V], SampleRows) -> i32[N, R, 2 + 2K]: SampledRows packed
+    sample: Any
 
     def __call__(self, params: Params, k_pool: jax.Array, v_pool: jax.Array,
                  batch: StepBatch) -> tuple[ForwardOutputs, SampledRows]:
-        """Both, one after the other (benchmarks and tests; the executor overlaps them)."""
+        """Both, one after the other, the sampled rows read back (benchmarks and tests;
+        the executor overlaps them)."""
         out = self.forward(params, k_pool, v_pool, batch.rank, batch.shared)
-        return out, self.sample(out.logits, batch.sample)
+        sampled = self.sample(out.logits, batch.sample)
+        return out, SampledRows.from_packed(np.asarray(jax.device_get(sampled)))
 
 
 def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params) -> Step:
-    """The jitted forward (KV pools donated) and sampler."""
-    specs, rows = StepBatch.specs(), P(SP)
+    """The jitted forward (KV pools donated) and sampler. Their batch arguments may be
+    packed (:class:`~conflux_jax.executor.batch.Packed`) or not: the specs are prefixes."""
+    rows = P(SP)
     forward = jax.shard_map(
         functools.partial(_rank_forward, cfg), mesh=mesh,
-        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, specs.rank, specs.shared),
+        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, P(SP), P()),
         out_specs=ForwardOutputs(KV_POOL_SPEC, KV_POOL_SPEC, rows), check_vma=False)
     sampler = jax.shard_map(
-        functools.partial(_rank_sample, cfg), mesh=mesh, in_specs=(rows, specs.sample),
-        out_specs=SampledRows(rows, rows, rows, rows), check_vma=False)
+        functools.partial(_rank_sample, cfg), mesh=mesh, in_specs=(rows, P(SP)),
+        out_specs=rows, check_vma=False)
     if cfg.replicate_samples:
         # Multi-process: process 0 holds only its own ranks' shards; one small
         # all-gather lets it read every rank's tokens.
         everywhere = jax.sharding.NamedSharding(mesh, P())
         sampler_sharded = sampler
 
-        def sampler(logits: jax.Array, rows: SampleRows) -> SampledRows:
+        def sampler(logits: jax.Array, rows: SampleRows) -> jax.Array:
             return jax.lax.with_sharding_constraint(sampler_sharded(logits, rows),
                                                     everywhere)
 

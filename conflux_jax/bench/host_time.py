@@ -1,0 +1,141 @@
+"""``python -m conflux_jax.bench host-time``: the host's share of a serving iteration.
+
+Many resident decodes on a simulated multi-rank CPU mesh (default: 256 decodes over
+``sp=4``, a tiny random Llama, contexts of 300-700 tokens growing as they decode). Two
+figures, measured in turn in one process:
+
+- the engine's iteration: ``Engine.step()`` wall time (schedule, host batch, transfer to
+  the devices, the compiled forward and sampler, reading the tokens back, commit, output
+  processing), median over ``--steps`` decode-only iterations;
+- the device's part of it: the same compiled forward and sampler replayed back to back on
+  one captured iteration's inputs already on the devices, median.
+
+Their difference is host time per iteration; printed with its share of the iteration.
+The model is tiny on purpose: what is measured is the host work that grows with the
+number of requests and their contexts, which a large model on an accelerator pays alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Simulated CPU devices for the mesh: must precede the first jax import.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from conflux_jax.config import ModelConfig  # noqa: E402
+from conflux_jax.engine import Engine, EngineConfig  # noqa: E402
+from conflux_jax.executor.buckets import BucketConfig  # noqa: E402
+from conflux_jax.executor.jax_executor import ExecutorConfig  # noqa: E402
+from conflux_jax.models.decoder import random_params  # noqa: E402
+from conflux_jax.sampling import SamplingParams  # noqa: E402
+from conflux_jax.tokenizer import Tokenizer  # noqa: E402
+
+MODEL = ModelConfig(
+    architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=500000.0,
+    max_position_embeddings=4096, tie_word_embeddings=False, eos_token_ids=(2,))
+
+
+def build_engine(decodes: int, mesh: str, max_model_len: int) -> Engine:
+    n = int(mesh.split(",")[0].split("=")[1])
+    per_rank = -(-decodes // n)
+    pages = per_rank * (-(-max_model_len // 16)) + 64
+    ec = ExecutorConfig(mesh=mesh, page_size=16, num_pages=pages, max_model_len=max_model_len,
+                        buckets=BucketConfig(tokens=(per_rank, 4 * per_rank),
+                                             decode=(per_rank,), transfer=(64,),
+                                             max_prefill_seqs=8))
+    engine = Engine(MODEL, random_params(MODEL, seed=0), Tokenizer.word_level(MODEL.vocab_size),
+                    EngineConfig(executor=ec, calibrate=False, enable_prefix_caching=False))
+    engine.warmup(progress=False)
+    engine.executor.guard.serving = True
+    return engine
+
+
+def device_seconds(engine: Engine, shape: Any, host: Any, repeats: int) -> float:  # noqa: ANN401
+    """Median of ``repeats`` back-to-back runs of the compiled forward and sampler of
+    ``shape`` on ``host``'s inputs, put on the devices once."""
+    ex = engine.executor
+    forward, sampler = ex.compiled_step(shape)
+    inputs = ex.device_inputs(host)
+    times = []
+    for i in range(repeats + 1):  # the first run warms up
+        start = time.perf_counter()
+        out = forward(ex.params, ex.k_pool, ex.v_pool, *inputs.forward)
+        ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
+        jax.device_get(sampler(out.logits, inputs.sample))
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
+            max_model_len: int = 1024, seed: int = 0) -> dict[str, Any]:
+    engine = build_engine(decodes, mesh, max_model_len)
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(max_tokens=max_model_len - 700, temperature=0, ignore_eos=True)
+    for _ in range(decodes):
+        engine.add_request(rng.integers(3, MODEL.vocab_size, int(rng.integers(300, 700)))
+                           .tolist(), sp)
+    sched = engine.scheduler
+    while sched.num_pending or sched.num_decoding < decodes:
+        engine.step()
+    ex = engine.executor
+    kept: list[Any] = []
+    build = ex.build_batch
+
+    def capture(plan: Any) -> Any:  # noqa: ANN401
+        out = build(plan)
+        kept.append(out)
+        return out
+
+    for _ in range(5):  # settle
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    assert sched.num_decoding == decodes, "a request finished inside the timed steps"
+    ex.build_batch = capture
+    try:
+        engine.step()
+    finally:
+        ex.build_batch = build
+    shape, host, _ = kept[-1]
+    assert shape.prefill == 0 and shape.decode >= decodes // ex.num_ranks
+    step_s = statistics.median(times)
+    device_s = device_seconds(engine, shape, host, steps)
+    host_s = max(0.0, step_s - device_s)
+    return {"decodes": decodes, "mesh": mesh, "steps": steps, "shape": str(shape),
+            "step_ms": 1e3 * step_s, "device_ms": 1e3 * device_s, "host_ms": 1e3 * host_s,
+            "host_share": host_s / step_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decodes", type=int, default=256)
+    ap.add_argument("--mesh", default="sp=4,tp=1")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    r = measure(args.decodes, args.mesh, args.steps)
+    print(f"{r['decodes']} resident decodes on {r['mesh']}: iteration {r['step_ms']:.2f} ms, "
+          f"device {r['device_ms']:.2f} ms, host {r['host_ms']:.2f} ms "
+          f"({100 * r['host_share']:.0f}% of the iteration)")
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
