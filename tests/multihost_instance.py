@@ -29,7 +29,6 @@ if __name__ == "__main__":  # before jax is imported: two host devices per proce
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tiny_models
 
 import numpy as np
-import tokenizers
 from tiny_models import TINY_LLAMA
 
 from conflux_jax.executor.buckets import BucketConfig
@@ -60,10 +59,7 @@ def word_tokenizer():
     """Token i <-> word "w{i}"; EOS is token 2."""
     from conflux_jax.tokenizer import Tokenizer
 
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"w{i}": i for i in range(TINY_LLAMA.vocab_size)}, unk_token="w0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(backend, eos_token_ids=(2,))
+    return Tokenizer.word_level(TINY_LLAMA.vocab_size)
 
 
 def make_engine():

@@ -6,7 +6,6 @@ import json
 import httpx
 import jax
 import pytest
-import tokenizers
 from shared_data import needs_traces
 from tiny_models import TINY_LLAMA
 
@@ -31,13 +30,10 @@ needs4 = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) 
 
 def tiny_engine(*_: object, enable_prefix_caching: bool = True, local_prefill: bool = True,
                 **__: object) -> Engine:
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"w{i}": i for i in range(TINY_LLAMA.vocab_size)}, unk_token="w0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=128, max_model_len=128,
                         buckets=BucketConfig(tokens=(8, 32), decode=(16,), max_prefill_seqs=4))
     return Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=1, scale=0.2),
-                  Tokenizer(backend, eos_token_ids=(2,)),
+                  Tokenizer.word_level(TINY_LLAMA.vocab_size),
                   EngineConfig(executor=ec, ttft_slo_s=5.0, tbt_slo_s=1.0,
                                enable_prefix_caching=enable_prefix_caching,
                                local_prefill=local_prefill))
