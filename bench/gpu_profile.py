@@ -9,8 +9,8 @@ Two phases, each run untraced (its wall time) and then traced, after warm-up: ``
 with decodes). For each phase: wall time, engine steps, the device's busy time per trace
 line (wall - busy is host time the device waited for; the trace runs without the Python
 tracer, which slowed the host several-fold in the first GPU run) and the kernels that
-took the most device time. Downloads and installs nothing; ``--shape tiny`` smoke-tests
-the same path on CPU.
+took the most device time, each with the JAX ops it was compiled from. Downloads and
+installs nothing; ``--shape tiny`` smoke-tests the same path on CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import collections
 import glob
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -63,8 +64,24 @@ def summarise(trace_dir: str, top: int) -> dict[str, Any]:
     return lines
 
 
+def hlo_ops(engine: Any) -> dict[str, list[str]]:  # noqa: ANN401
+    """Each instruction name of the compiled step executables -> the JAX ops it came from
+    (the HLO metadata's op_name): what a kernel in the trace is, in the model's terms."""
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    ex = engine.executor
+    for exe in (*ex._compiled.values(), *ex._samplers.values()):
+        for line in exe.as_text().splitlines():
+            m = HLO_LINE.match(line)
+            if m:
+                found[m.group(1)].add(m.group(2))
+    return {k: sorted(v)[:3] for k, v in found.items()}
+
+
+HLO_LINE = re.compile(r'\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]+)"')
+
+
 def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
-              top: int) -> dict[str, Any]:
+              top: int, ops: dict[str, list[str]]) -> dict[str, Any]:
     import jax
 
     from conflux_jax import SamplingParams
@@ -95,10 +112,14 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
         wall = time.perf_counter() - t0
     del ex.execute
     tokens = [len(o.outputs[0].token_ids) for o in outs]
+    lines = summarise(trace_dir, top)
+    for v in lines.values():
+        for t in v["top"]:
+            t["ops"] = ops.get(t["name"], [])
     result = {"wall_ms": round(1e3 * untraced, 3), "traced_wall_ms": round(1e3 * wall, 3),
               "requests": len(prompts),
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(tokens),
-              "steps": steps[0], "lines": summarise(trace_dir, top)}
+              "steps": steps[0], "lines": lines}
     busiest = max((v["busy_ms"] for v in result["lines"].values()), default=0.0)
     print(f"{name}: wall {1e3 * untraced:.1f} ms ({1e3 * wall:.1f} ms traced) over "
           f"{steps[0]} steps, busiest device line {busiest:.1f} ms",
@@ -106,7 +127,8 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
     for line, v in result["lines"].items():
         print(f"  {line}: busy {v['busy_ms']:.1f} ms over {v['events']} events", flush=True)
         for t in v["top"][:12]:
-            print(f"    {t['ms']:9.2f} ms x{t['count']:<5d} {t['name'][:110]}", flush=True)
+            print(f"    {t['ms']:9.2f} ms x{t['count']:<5d} {t['name'][:60]}  "
+                  f"{'; '.join(t['ops'])[:120]}", flush=True)
     return result
 
 
@@ -149,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         "mixed": ([rng.integers(3, cfg.vocab_size, int(n)).tolist()
                    for n in rng.integers(1024, 2049, 16)], 8),
     }
+    ops = hlo_ops(engine)
     for name, (prompts, max_tokens) in phases.items():
-        result["phases"][name] = run_phase(engine, name, prompts, max_tokens, args.top)
+        result["phases"][name] = run_phase(engine, name, prompts, max_tokens, args.top, ops)
         args.json.write_text(json.dumps(result, indent=2))
     return 0
 
