@@ -210,7 +210,7 @@ def bench_gpu(
             BlockSizes(4, 64, 2, 4, 3),
             BlockSizes(4, 32, 1, 4, 4),
             BlockSizes(4, 64, 1, 4, 2),
-            BlockSizes(4, 128, 2, 8, 3),
+            BlockSizes(4, 64, 1, 4, 3),  # the default before the first GPU run
             BlockSizes(4, 64, 4, 4, 3),
             BlockSizes(8, 64, 1, 4, 3),
         ]
