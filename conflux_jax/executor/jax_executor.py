@@ -469,8 +469,7 @@ class JaxExecutor:
     # ------------------------------------------------------------------ compilation
     def _put_forward(self, batch: StepBatch) -> tuple[Packed, Packed]:
         """The forward's part of a host batch (``rank``, ``shared``) onto the mesh: one
-        packed buffer each (a transfer per array cost ~7 ms a step at 256 decodes on a
-        4-rank CPU mesh, more than the device's part of it)."""
+        packed buffer each, not one transfer (of one shard per device) per array."""
         packed = pack_forward(batch)
         return self._put(packed, self._packed_shardings(packed))
 
@@ -478,13 +477,8 @@ class JaxExecutor:
         """The sampler's rows onto the mesh (small fields packed); the large buffers that
         are already the executor's device-resident padding stay as they are."""
         packed = PackedSample.pack(sample)
-        host = [i for i, x in enumerate(packed) if not isinstance(x, jax.Array)]
-        put = self._put([packed[i] for i in host],
-                        self._packed_shardings([packed[i] for i in host]))
-        parts = list(packed)
-        for i, x in zip(host, put, strict=True):
-            parts[i] = x
-        return PackedSample(*parts)
+        on_host = {k: x for k, x in packed._asdict().items() if not isinstance(x, jax.Array)}
+        return packed._replace(**self._put(on_host, self._packed_shardings(on_host)))
 
     def _packed_shardings(self, packed: Any) -> Any:
         """Shardings for a packed batch: a ``Packed``'s buffer per rank (``sp``) or
@@ -862,8 +856,8 @@ class JaxExecutor:
                       n_sample: list[int], rows: dict[int, tuple[int, int]]) -> None:
         """The plan's decode slots, one row each after their rank's prefill tokens, and
         their sampling rows, written field by field over all slots at once (numpy's
-        scalar writes, per slot and field, took ~1 ms a step at 256 decodes). Penalty
-        histories and logit biases are the caller's."""
+        scalar writes, per slot and field, were most of the host batch's time at 256
+        decodes). Penalty histories and logit biases are the caller's."""
         if not slots:
             return
         a, s_in, ps = batch.rank, batch.sample, self.exec_config.page_size
