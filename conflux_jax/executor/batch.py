@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -266,8 +267,6 @@ class Packed:
     def unpack(self) -> Any:
         """Device side (traced): the tree again. Per rank, the leading axis is the
         buffer's own (1 inside ``shard_map``, N outside)."""
-        import jax.numpy as jnp
-
         lay, buf, out, at = self.layout, self.buf, [], 0
         for shape, dtype in zip(lay.shapes, lay.dtypes, strict=True):
             inner = shape[1:] if lay.per_rank else shape
@@ -310,6 +309,10 @@ def pack_forward(batch: StepBatch) -> tuple[Packed, Packed]:
     return Packed.pack(batch.rank, per_rank=True), Packed.pack(batch.shared, per_rank=False)
 
 
+def _as_i32(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.int32)
+
+
 def unpacked(x: Any) -> Any:
     """``x`` itself, or the tree a :class:`Packed` / :class:`PackedSample` carries."""
     return x.unpack() if isinstance(x, Packed | PackedSample) else x
@@ -329,11 +332,8 @@ class SampledRows:
     def pack(self) -> jax.Array:  # i32[N, R, 2 + 2K]
         """Device side: token, log-probability, top ids, top log-probabilities per row
         (floats bit-cast)."""
-        import jax.numpy as jnp
-
-        as_i32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
-        return jnp.concatenate([self.tokens[..., None], as_i32(self.logprobs)[..., None],
-                                self.top_ids, as_i32(self.top_logprobs)], axis=-1)
+        return jnp.concatenate([self.tokens[..., None], _as_i32(self.logprobs)[..., None],
+                                self.top_ids, _as_i32(self.top_logprobs)], axis=-1)
 
     @classmethod
     def from_packed(cls, buf: np.ndarray) -> SampledRows:
