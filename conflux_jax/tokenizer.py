@@ -247,6 +247,12 @@ class IncrementalDecoder:
 
     def push(self, ids: int | Sequence[int]) -> str:
         """Add one id or several; return the newly completed text ("" if none yet)."""
+        if type(ids) is int:  # the serving loop's case, once per token: no list, no join
+            self._ids.append(ids)
+            chunk = self._stream.step(self._tokenizer.backend, ids) or ""
+            if chunk:
+                self._emitted.append(chunk)
+            return chunk
         try:  # one id (int or numpy integer) or an iterable of them
             batch = [operator.index(ids)]  # type: ignore[arg-type]
         except TypeError:
