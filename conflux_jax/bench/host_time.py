@@ -36,6 +36,7 @@ from conflux_jax.config import ModelConfig  # noqa: E402
 from conflux_jax.engine import Engine, EngineConfig  # noqa: E402
 from conflux_jax.executor.buckets import BucketConfig  # noqa: E402
 from conflux_jax.executor.jax_executor import ExecutorConfig  # noqa: E402
+from conflux_jax.executor.mesh import MeshSpec  # noqa: E402
 from conflux_jax.models.decoder import random_params  # noqa: E402
 from conflux_jax.sampling import SamplingParams  # noqa: E402
 from conflux_jax.tokenizer import Tokenizer  # noqa: E402
@@ -47,7 +48,7 @@ MODEL = ModelConfig(
 
 
 def build_engine(decodes: int, mesh: str, max_model_len: int) -> Engine:
-    n = int(mesh.split(",")[0].split("=")[1])
+    n = MeshSpec.parse(mesh).sp
     per_rank = -(-decodes // n)
     pages = per_rank * (-(-max_model_len // 16)) + 64
     ec = ExecutorConfig(mesh=mesh, page_size=16, num_pages=pages, max_model_len=max_model_len,
@@ -122,11 +123,13 @@ def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--decodes", type=int, default=256)
-    ap.add_argument("--mesh", default="sp=4,tp=1")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--json", type=Path)
+    ap = argparse.ArgumentParser(prog="python -m conflux_jax.bench host-time",
+                                 description="The host's share of a serving iteration at "
+                                             "many resident decodes.")
+    ap.add_argument("--decodes", type=int, default=256, help="resident decodes")
+    ap.add_argument("--mesh", default="sp=4,tp=1", help="simulated CPU mesh")
+    ap.add_argument("--steps", type=int, default=30, help="timed iterations")
+    ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     r = measure(args.decodes, args.mesh, args.steps)
     print(f"{r['decodes']} resident decodes on {r['mesh']}: iteration {r['step_ms']:.2f} ms, "

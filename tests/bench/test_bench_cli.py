@@ -20,7 +20,8 @@ def test_usage_and_unknown_subcommand(capsys) -> None:
 
 
 @pytest.mark.parametrize(("name", "option"), [("kernels", "--gpu-dry-run"),
-                                              ("executor", "--startup")])
+                                              ("executor", "--startup"),
+                                              ("host-time", "--decodes")])
 def test_subcommand_help_runs_as_users_run_it(tmp_path, name: str, option: str) -> None:
     # A fresh interpreter outside the checkout: the subcommand is a real module of the
     # package, not a script loaded from the source tree's bench/ folder.
