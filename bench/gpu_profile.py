@@ -88,6 +88,11 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
 
     sp = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)] * len(prompts)
     engine.generate(prompts[:2], sp[:2])  # anything lazy happens outside the trace
+    # Untraced first: the wall time to compare the device's busy time with (a trace's own
+    # host work would inflate it; the Python tracer most of all, so it stays off).
+    t0 = time.perf_counter()
+    engine.generate(prompts, sp)
+    untraced = time.perf_counter() - t0
     ex, steps = engine.executor, [0]
     execute = ex.execute
 
@@ -96,12 +101,6 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
         return execute(*a, **k)
 
     ex.execute = counted
-    # Untraced first: the wall time to compare the device's busy time with (a trace's own
-    # host work would inflate it; the Python tracer most of all, so it stays off).
-    t0 = time.perf_counter()
-    engine.generate(prompts, sp)
-    untraced = time.perf_counter() - t0
-    steps[0] = 0
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     options.host_tracer_level = 1

@@ -136,7 +136,7 @@ def serve_bench(args: argparse.Namespace, report: Any) -> dict[str, Any]:
     import jax
 
     from conflux_jax import SamplingParams
-    from conflux_jax.bench.host_time import device_seconds
+    from conflux_jax.bench.host_time import captured_batches, device_seconds
     from conflux_jax.config import ModelConfig, RopeScaling
     from conflux_jax.engine import Engine, EngineConfig
     from conflux_jax.engine.calibration import Budget
@@ -201,29 +201,18 @@ def serve_bench(args: argparse.Namespace, report: Any) -> dict[str, Any]:
     # One decode-only step at the decode bucket: against reading the weights once, and
     # its device part alone (the same compiled step replayed on inputs already there).
     decode_prompts = [rng.integers(3, cfg.vocab_size, 32).tolist() for _ in range(64)]
-    kept: list[Any] = []
-    build = ex.build_batch
-
-    def capture(plan: Any) -> Any:  # noqa: ANN401
-        out = build(plan)
-        if not plan.prefill and len(plan.decode) == 64:
-            kept.append(out)
-        return out
-
-    ex.build_batch = capture
     t0 = time.perf_counter()
-    try:
+    with captured_batches(ex, lambda plan: not plan.prefill and len(plan.decode) == 64) \
+            as kept:
         dec = engine.generate(decode_prompts, [SamplingParams(
             max_tokens=24, temperature=0, ignore_eos=True)] * 64)
-    finally:
-        ex.build_batch = build
     wall = time.perf_counter() - t0
     steps = [b - a for o in dec for a, b in zip(o.metrics["token_times_s"][8:],
                                                o.metrics["token_times_s"][9:], strict=False)]
     hw = hardware_for_device_kind(ex.device_kind)
     floor = mp.weight_bytes / hw.hbm_bw if hw else None
     step_p50 = pct(steps, 50)
-    device_s = device_seconds(engine, *kept[-1][:2], repeats=20) if kept else None
+    device_s = device_seconds(engine, *kept[-1], repeats=20) if kept else None
     return {"decode_64": {"step_p50_s": step_p50, "device_step_s": device_s,
                           "host_share": 1 - device_s / step_p50 if device_s and step_p50
                           else None,

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 import conflux_jax.executor.step as step_module
 from conflux_jax.bench.compare import make_prompts
 from conflux_jax.bench.dense_bound import dense_seconds
+from conflux_jax.bench.host_time import captured_batches
 from conflux_jax.bench.serve import engine_from_model, run_engine
 from conflux_jax.bench.serve_workload import ServeRequest
 from conflux_jax.checkpoints import load_checkpoint
@@ -48,22 +48,9 @@ def capture(engine: Any, prompt_len: int, max_tokens: int, concurrency: int,  # 
             want: Any) -> tuple[Any, StepBatch] | None:  # noqa: ANN401
     """Run the workload once and return the last step (shape, host batch) that ``want``
     accepts, or None when it ran none (one request never co-batches a prefill)."""
-    ex = engine.executor
-    kept: list[tuple[Any, StepBatch]] = []
-    build = ex.build_batch
-
-    def spy(plan: Any) -> Any:  # noqa: ANN401
-        shape, batch, rows = build(plan)
-        if want(plan):
-            kept.append((shape, jax.tree.map(np.copy, batch)))
-        return shape, batch, rows
-
-    ex.build_batch = spy
-    try:
-        prompts = make_prompts(concurrency, prompt_len, engine.model_config.vocab_size, 0)
+    prompts = make_prompts(concurrency, prompt_len, engine.model_config.vocab_size, 0)
+    with captured_batches(engine.executor, want) as kept:
         run_engine(engine, [ServeRequest(0.0, p, max_tokens) for p in prompts])
-    finally:
-        ex.build_batch = build
     return kept[-1] if kept else None
 
 

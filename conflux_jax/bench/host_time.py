@@ -23,9 +23,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -34,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from conflux_jax.config import ModelConfig  # noqa: E402
 from conflux_jax.engine import Engine, EngineConfig  # noqa: E402
+from conflux_jax.executor.batch import StepBatch  # noqa: E402
 from conflux_jax.executor.buckets import BucketConfig  # noqa: E402
 from conflux_jax.executor.jax_executor import ExecutorConfig  # noqa: E402
 from conflux_jax.executor.mesh import MeshSpec  # noqa: E402
@@ -60,6 +63,27 @@ def build_engine(decodes: int, mesh: str, max_model_len: int) -> Engine:
     engine.warmup(progress=False)
     engine.executor.guard.serving = True
     return engine
+
+
+@contextlib.contextmanager
+def captured_batches(executor: Any, want: Callable[[Any], bool] = lambda plan: True
+                     ) -> Iterator[list[tuple[Any, StepBatch]]]:  # noqa: ANN401
+    """Inside the block, every host batch ``executor`` builds for a plan ``want`` accepts
+    is kept, as (shape, batch), in the list yielded; the executor is unchanged after."""
+    kept: list[tuple[Any, StepBatch]] = []
+    build = executor.build_batch
+
+    def spy(plan: Any) -> Any:  # noqa: ANN401
+        shape, batch, rows = build(plan)
+        if want(plan):
+            kept.append((shape, jax.tree.map(np.copy, batch)))
+        return shape, batch, rows
+
+    executor.build_batch = spy
+    try:
+        yield kept
+    finally:
+        executor.build_batch = build
 
 
 def device_seconds(engine: Engine, shape: Any, host: Any, repeats: int) -> float:  # noqa: ANN401
@@ -91,14 +115,6 @@ def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
     while sched.num_pending or sched.num_decoding < decodes:
         engine.step()
     ex = engine.executor
-    kept: list[Any] = []
-    build = ex.build_batch
-
-    def capture(plan: Any) -> Any:  # noqa: ANN401
-        out = build(plan)
-        kept.append(out)
-        return out
-
     for _ in range(5):  # settle
         engine.step()
     times = []
@@ -107,12 +123,9 @@ def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
         engine.step()
         times.append(time.perf_counter() - start)
     assert sched.num_decoding == decodes, "a request finished inside the timed steps"
-    ex.build_batch = capture
-    try:
+    with captured_batches(ex) as kept:
         engine.step()
-    finally:
-        ex.build_batch = build
-    shape, host, _ = kept[-1]
+    shape, host = kept[-1]
     assert shape.prefill == 0 and shape.decode >= decodes // ex.num_ranks
     step_s = statistics.median(times)
     device_s = device_seconds(engine, shape, host, steps)

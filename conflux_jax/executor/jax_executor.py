@@ -827,7 +827,7 @@ class JaxExecutor:
             return j
 
         self._fill_decodes(batch, plan.decode, fill, dcount, n_sample, rows)
-        for slot in plan.decode:
+        for slot in plan.decode if biased or histories else ():  # most steps have neither
             if slot.sampling.logit_bias or (histories and slot.request_id in histories):
                 add_extras(*rows[slot.request_id], slot.request_id, slot.sampling)
         a.num_decode[:] = dcount
