@@ -220,7 +220,7 @@ def bench_gpu(
             BlockSizes(16, 64, 1, 4, 3),
             BlockSizes(16, 128, 1, 4, 2),
             BlockSizes(32, 32, 1, 4, 3),
-            BlockSizes(64, 64, 1, 8, 2),
+            BlockSizes(32, 64, 1, 8, 2),  # the default before the second GPU run
             BlockSizes(32, 64, 1, 4, 3),
         ]
     half = start + budget_s / 2

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulat
 _COPY = re.compile(r"=\s*\w+\[([\d,]*)\]\S*\s+copy(?:-start)?\(")
 
 
-@pytest.mark.parametrize("mesh", ["sp=4,tp=1", "sp=2,tp=2"])
+@pytest.mark.parametrize("mesh", ["sp=4,tp=1", "sp=2,tp=2", "sp=1,tp=1"])
 def test_step_updates_the_pool_in_place(mesh: str) -> None:
     params = random_params(TINY_LLAMA, seed=1, scale=0.2)
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=4096, max_model_len=128,
