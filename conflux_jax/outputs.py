@@ -56,6 +56,7 @@ class OutputTracker:
         if not params.ignore_eos:
             self._stop_ids |= set(tokenizer.eos_token_ids)
         self._stops = params.stop_strings
+        self._min_tokens = params.min_tokens
         # Streaming holds back a tail that could still become a stop string.
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
 
@@ -70,9 +71,10 @@ class OutputTracker:
     def append(self, token_id: int, logprob: float | None = None,
                top: dict[int, float] | None = None) -> str:
         """Add one sampled token; return the new text that is safe to stream."""
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError("append() on a finished request")
-        self.token_ids.append(token_id)
+        ids = self.token_ids
+        ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob
         if self.logprobs is not None:
@@ -82,16 +84,20 @@ class OutputTracker:
             self.logprobs.append(entry)
         # Below min_tokens nothing stops the request but its length (vLLM's rule; the
         # stop tokens are masked out on the device meanwhile).
-        may_stop = len(self.token_ids) > self.params.min_tokens
+        may_stop = len(ids) > self._min_tokens
         if token_id in self._stop_ids and may_stop:
             self.finish_reason, self.stop_reason = "stop", token_id
         else:
-            self._text += self._decoder.push(token_id)
-            if may_stop:
+            chunk = self._decoder.push(token_id)
+            if chunk:
+                self._text += chunk
+            if may_stop and self._stops:
                 self._check_stop_strings()
-        if not self.finished and len(self.token_ids) >= self.max_new_tokens:
+        if self.finish_reason is None:
+            if len(ids) < self.max_new_tokens:
+                return self._take_delta()  # the common case: the request goes on
             self.finish_reason = "length"
-        if self.finished and not isinstance(self.stop_reason, str):
+        if not isinstance(self.stop_reason, str):
             self._text += self._decoder.flush()  # a stop string already cut the text
         return self._take_delta()
 
@@ -109,8 +115,6 @@ class OutputTracker:
         return self._take_delta()
 
     def _check_stop_strings(self) -> None:
-        if not self._stops:
-            return
         # Only the newly added tail can complete a stop string.
         window_start = max(0, self._emitted - self._holdback - 1)
         best: tuple[int, str] | None = None
@@ -125,8 +129,8 @@ class OutputTracker:
             self.finish_reason, self.stop_reason = "stop", s
 
     def _take_delta(self) -> str:
-        end = len(self._text) if self.finished else max(self._emitted,
-                                                        len(self._text) - self._holdback)
+        end = len(self._text) if self.finish_reason is not None else \
+            max(self._emitted, len(self._text) - self._holdback)
         delta = self._text[self._emitted:end]
         self._emitted = end
         return delta

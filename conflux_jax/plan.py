@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -203,13 +204,16 @@ class IterationPlan:
         return load
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SampledToken:
-    """One sampled token: its id, log-probability and the top alternatives (best first)."""
+class SampledToken(NamedTuple):
+    """One sampled token: its id, log-probability and the top alternatives (best first).
+
+    A NamedTuple, as ``DecodeSlot``: one is built per sampling row every iteration. ``top``
+    is read-only (rows that asked for no alternatives share one empty mapping).
+    """
 
     token: int
     logprob: float = 0.0
-    top: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    top: Mapping[int, float] = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -93,7 +93,7 @@ class EngineConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StepOutput:
     """What one iteration produced for one request (a streaming delta)."""
 
@@ -342,9 +342,12 @@ class Engine:
         outputs: list[StepOutput] = []
 
         def observe(plan: IterationPlan, result: StepResult) -> None:
-            now = result.end_s
+            # Once per sampled row every iteration (hundreds at high concurrency): names
+            # bound once, and no per-row lookup that the step's requests do not need.
+            now, live_get, matchers = result.end_s, self._live.get, self._matchers
+            add = outputs.append
             for rid, s in result.sampled.items():
-                live = self._live.get(rid)
+                live = live_get(rid)
                 if live is None:  # aborted while the step ran
                     continue
                 tracker = live.tracker
@@ -357,7 +360,7 @@ class Engine:
                 n_top = tracker.params.logprobs
                 top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
                 delta = tracker.append(s.token, s.logprob, top)
-                matcher = self._matchers.get(rid)
+                matcher = matchers.get(rid) if matchers else None
                 if matcher is not None and not tracker.finished:
                     if not matcher.advance(s.token):
                         delta += tracker.abort("error")
@@ -365,11 +368,12 @@ class Engine:
                                   matcher.error)
                     elif matcher.finished:  # the grammar is complete: no EOS step needed
                         delta += tracker.stop()
-                outputs.append(StepOutput(
-                    rid, [s.token], delta, tracker.finished, tracker.finish_reason, now,
+                reason = tracker.finish_reason
+                add(StepOutput(
+                    rid, [s.token], delta, reason is not None, reason, now,
                     [tracker.logprobs[-1]] if tracker.logprobs is not None else None,
                     cached))
-                if tracker.finished:
+                if reason is not None:
                     self.scheduler.finish(rid)
 
         try:

@@ -283,6 +283,10 @@ class JaxExecutor:
         # Device-resident mask / history / bias padding per row count R: a step with no
         # constrained, penalized or biased row sends these instead of fresh host buffers.
         self._idle_rows: dict[int, tuple[Any, Any, Any]] = {}
+        # Each resident decode's page list as an array, rebuilt only when the scheduler hands
+        # over a new list (it keeps one per request until a page is added): request ->
+        # (pages tuple, i32[pages]).
+        self._page_arrays: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
         self._compiled: dict[StepShape, Any] = {}  # the forward per step shape
         self._samplers: dict[int, Any] = {}  # the sampler per sampling-row count R
         if measure_linears:
@@ -605,11 +609,17 @@ class JaxExecutor:
             self.channel.done(seq)
         # Python lists once, then plain indexing: per-row numpy scalars cost ~10 us each.
         tokens, logprobs = s.tokens.tolist(), s.logprobs.tolist()
-        top_ids, top_logprobs = s.top_ids.tolist(), s.top_logprobs.tolist()
-        sampled = {req: SampledToken(tokens[rank][row], logprobs[rank][row],
-                                     dict(zip(top_ids[rank][row], top_logprobs[rank][row],
-                                              strict=True)))
-                   for req, (rank, row) in rows.items()}
+        new = tuple.__new__  # the NamedTuple's Python-level __new__ skipped: once per row
+        if s.top_ids.shape[-1] == 0:  # no alternatives compiled in: one shared empty map
+            none = SampledToken._field_defaults["top"]
+            sampled = {req: new(SampledToken, (tokens[rank][row], logprobs[rank][row], none))
+                       for req, (rank, row) in rows.items()}
+        else:
+            top_ids, top_logprobs = s.top_ids.tolist(), s.top_logprobs.tolist()
+            sampled = {req: new(SampledToken, (tokens[rank][row], logprobs[rank][row],
+                                               dict(zip(top_ids[rank][row],
+                                                        top_logprobs[rank][row], strict=True))))
+                       for req, (rank, row) in rows.items()}
         if logits is not None:
             self.last_logits = {req: logits[rank, row] for req, (rank, row) in rows.items()}
         end = time.perf_counter()
@@ -857,30 +867,42 @@ class JaxExecutor:
         """The plan's decode slots, one row each after their rank's prefill tokens, and
         their sampling rows, written field by field over all slots at once (numpy's
         scalar writes, per slot and field, were most of the host batch's time at 256
-        decodes). Penalty histories and logit biases are the caller's."""
+        decodes). The page tables too: every slot's pages in one scatter, from arrays
+        kept per request while its page list is unchanged. Penalty histories and logit
+        biases are the caller's."""
         if not slots:
             return
         a, s_in, ps = batch.rank, batch.sample, self.exec_config.page_size
-        js, row_ids = [], []
+        js, row_ids, page_arrays = [], [], []
+        cached, kept = self._page_arrays, {}
         for slot in slots:
-            r, pages = slot.rank, slot.pages
+            r, rid, pages = slot.rank, slot.request_id, slot.pages
             if not pages:
-                raise ValueError(f"decode slot of request {slot.request_id} has no pages")
+                raise ValueError(f"decode slot of request {rid} has no pages")
             j, row = dcount[r], n_sample[r]
             dcount[r], n_sample[r] = j + 1, row + 1
-            rows[slot.request_id] = (r, row)
+            rows[rid] = (r, row)
             js.append(j)
             row_ids.append(row)
-            a.decode_pages[r, j, :len(pages)] = pages
+            entry = cached.get(rid)
+            if entry is None or entry[0] is not pages:
+                entry = (pages, np.asarray(pages, np.int32))
+            kept[rid] = entry
+            page_arrays.append(entry[1])
+        self._page_arrays = kept  # requests no longer decoding drop out
         r = np.array([slot.rank for slot in slots])
         pos = np.array([slot.position for slot in slots])
         j, row = np.array(js), np.array(row_ids)
+        counts = np.array([len(x) for x in page_arrays])
+        flat = np.concatenate(page_arrays)
+        starts = np.cumsum(counts) - counts
+        a.decode_pages[np.repeat(r, counts), np.repeat(j, counts),
+                       np.arange(flat.size) - np.repeat(starts, counts)] = flat
         index = np.asarray(fill)[r] + j
         a.tokens[r, index] = [slot.token_id for slot in slots]
         a.positions[r, index] = pos
         a.decode_index[r, j] = index
-        a.decode_slot[r, j] = [slot.pages[p // ps] * ps + p % ps
-                               for slot, p in zip(slots, pos.tolist(), strict=True)]
+        a.decode_slot[r, j] = flat[starts + pos // ps] * ps + pos % ps
         a.decode_kv_len[r, j] = pos + 1
         a.sample_index[r, row] = index
         specs = [slot.sampling for slot in slots]
