@@ -73,7 +73,10 @@ def hlo_ops(engine: Any) -> dict[str, list[str]]:  # noqa: ANN401
         for line in exe.as_text().splitlines():
             m = HLO_LINE.match(line)
             if m:
-                found[m.group(1)].add(m.group(2))
+                # The trace names an instruction `fusion_3` where the HLO text says
+                # `fusion.3`: both spellings map to its ops.
+                for name in {m.group(1), m.group(1).replace(".", "_")}:
+                    found[name].add(m.group(2))
     return {k: sorted(v)[:3] for k, v in found.items()}
 
 
