@@ -97,13 +97,13 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
     engine.generate(prompts, sp)
     untraced = time.perf_counter() - t0
     ex, steps = engine.executor, [0]
-    execute = ex.execute
+    launch = ex.launch  # how the engine starts each step
 
     def counted(*a: Any, **k: Any) -> Any:  # noqa: ANN401
         steps[0] += 1
-        return execute(*a, **k)
+        return launch(*a, **k)
 
-    ex.execute = counted
+    ex.launch = counted
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     options.host_tracer_level = 1
@@ -112,7 +112,7 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], max_tokens: int,
         t0 = time.perf_counter()
         outs = engine.generate(prompts, sp)
         wall = time.perf_counter() - t0
-    del ex.execute
+    del ex.launch
     tokens = [len(o.outputs[0].token_ids) for o in outs]
     lines = summarise(trace_dir, top)
     for v in lines.values():

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
     llm.generate([PROMPT], constrained)  # first use builds the grammar's tokenizer view
     executor = llm.engine.executor
-    overlapped = executor.execute
+    overlapped = executor.launch  # how the engine starts each step
 
     def masks_first(plan, prepare=None):  # noqa: ANN001, ANN202 - the no-overlap variant
         return overlapped(plan if prepare is None else prepare(plan))
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     for streams in args.streams:
         best = dict.fromkeys((v[0] for v in variants), 0.0)
         for _ in range(args.repeats):
-            for name, params, execute in variants:
-                executor.execute = execute
+            for name, params, launch in variants:
+                executor.launch = launch
                 t0 = time.perf_counter()
                 outs = llm.generate([PROMPT] * streams, params)
                 elapsed = time.perf_counter() - t0
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 if params is constrained:  # every output ran the full budget, on its schema
                     assert all(o.outputs[0].finish_reason == "length" for o in outs)
                 best[name] = max(best[name], tokens / elapsed)
-        executor.execute = overlapped
+        executor.launch = overlapped
         ratio = best["json_schema"] / best["free"]
         serial = best["json_schema_masks_first"] / best["free"]
         rows.append({"streams": streams, "free_tok_s": best["free"],

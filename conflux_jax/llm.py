@@ -31,7 +31,8 @@ class LLM:
     ``dtype="auto"`` runs bfloat16 on a GPU/TPU and float32 on CPU (either is accepted
     anywhere); ``gpu_memory_utilization`` sizes the KV pool from device memory as vLLM's
     flag does (the default on a GPU/TPU is 0.9). ``enable_prefix_caching=False`` turns
-    off automatic prefix caching (on by default, as in vLLM).
+    off automatic prefix caching (on by default, as in vLLM); ``async_scheduling=False``
+    runs one iteration at a time (see ``EngineConfig.async_scheduling``).
     """
 
     def __init__(self, model: str = "default", *, mesh: str | None = None,
@@ -39,7 +40,7 @@ class LLM:
                  policy: str = "conflux", engine_config: EngineConfig | None = None,
                  checkpoint_dir: str | Path | None = None,
                  gpu_memory_utilization: float | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, async_scheduling: bool = True):
         from conflux_jax.checkpoints import load_checkpoint
 
         if engine_config is not None and engine_config.executor.dtype != "auto":
@@ -54,12 +55,15 @@ class LLM:
             engine_config = EngineConfig(
                 executor=ExecutorConfig(mesh=mesh, dtype=dtype, max_model_len=max_len,
                                         gpu_memory_utilization=gpu_memory_utilization),
-                policy=policy, profile=model, enable_prefix_caching=enable_prefix_caching)
+                policy=policy, profile=model, enable_prefix_caching=enable_prefix_caching,
+                async_scheduling=async_scheduling)
         elif engine_config.executor.dtype == "auto":
             engine_config = dataclasses.replace(engine_config, executor=dataclasses.replace(
                 engine_config.executor, dtype=dtype))
         if not enable_prefix_caching:
             engine_config = dataclasses.replace(engine_config, enable_prefix_caching=False)
+        if not async_scheduling:
+            engine_config = dataclasses.replace(engine_config, async_scheduling=False)
         self.engine = Engine(ckpt.config, ckpt.params, ckpt.tokenizer, engine_config)
         self.max_model_len = self.engine.max_model_len
 

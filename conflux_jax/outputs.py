@@ -68,6 +68,11 @@ class OutputTracker:
     def text(self) -> str:
         return self._text
 
+    def stops_at(self, token_id: int) -> bool:
+        """Whether appending ``token_id`` next would end the request on a stop token (the
+        first thing ``append`` decides, before any text)."""
+        return token_id in self._stop_ids and len(self.token_ids) >= self._min_tokens
+
     def append(self, token_id: int, logprob: float | None = None,
                top: dict[int, float] | None = None) -> str:
         """Add one sampled token; return the new text that is safe to stream."""

@@ -285,3 +285,22 @@ class Executor(Protocol):
         :class:`KVLost` when a failure cost the executor its KV, :class:`ExecutorLost`
         when the executor cannot run any further plan."""
         ...
+
+
+class RunningStep(Protocol):
+    """A plan an executor has set running (``launch``): the device computes it while the
+    host goes on; ``result()`` waits for it."""
+
+    def result(self) -> StepResult:
+        """The plan's result, once the device has it. Raises as ``Executor.execute``."""
+        ...
+
+
+class LaunchingExecutor(Executor, Protocol):
+    """An executor that can return before its device has finished a plan, so that the
+    host works on the previous plan's outputs meanwhile (the engine's async scheduling)."""
+
+    def launch(self, plan: IterationPlan, prepare: Preparer | None = None) -> RunningStep:
+        """Start ``plan`` (as ``execute`` runs it) without waiting for its result. Raises
+        as ``execute`` for failures found before the device has it."""
+        ...

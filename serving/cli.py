@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True,
                    help="automatic prefix caching: prompts reuse cached KV of full pages "
                         "(default on, as in vLLM; --no-enable-prefix-caching turns it off)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="plan and start the next iteration before turning the last one's "
+                        "tokens into outputs, which the host then builds while the device "
+                        "runs (default on; --no-async-scheduling: one iteration at a time)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None,
@@ -221,7 +226,8 @@ def build_engine(args: argparse.Namespace) -> Any:
                                ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                profile=args.model, overdue_grace_s=args.overdue_grace,
                                recalibrate=args.recalibrate,
-                               enable_prefix_caching=args.enable_prefix_caching))
+                               enable_prefix_caching=args.enable_prefix_caching,
+                               async_scheduling=args.async_scheduling))
 
 
 def follow(args: argparse.Namespace) -> int:

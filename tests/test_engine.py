@@ -154,17 +154,17 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, m
 
         monkeypatch.setattr(step_mod, name, failing)
     engine = make_engine()
-    real_run = engine.executor.execute
+    real_launch = engine.executor.launch  # the engine's async scheduling launches plans
     calls = {"n": 0}
 
-    def flaky(plan):  # fault injection, once
+    def flaky(plan, prepare=None):  # fault injection, once
         calls["n"] += 1
         armed["on"] = calls["n"] == 2
         if armed["on"] and where == "boundary":
             raise RuntimeError("injected device failure")
-        return real_run(plan)
+        return real_launch(plan, prepare)
 
-    engine.executor.execute = flaky
+    engine.executor.launch = flaky
     rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
     outs = []
     while engine.has_unfinished:
@@ -283,5 +283,92 @@ def test_a_late_long_request_is_served_within_the_bound_under_a_stream(grace, ow
         assert first <= arrival + slo + grace + (chunks + 1) * max(steps)
     for rid in list(engine._live):
         engine.abort(rid)
+    bm = engine.scheduler.blocks
+    assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+
+
+def _record_launches(engine: Engine) -> list:
+    """Every plan the engine starts (the executor still runs them)."""
+    plans = []
+    launch = engine.executor.launch
+
+    def record(plan, prepare=None):
+        plans.append(plan)
+        return launch(plan, prepare)
+
+    engine.executor.launch = record
+    return plans
+
+
+def test_async_scheduling_gives_the_outputs_of_one_iteration_at_a_time():
+    """Stop tokens, stop strings, lengths and logprobs under async scheduling: the same
+    outputs as the engine running one iteration at a time, and the reference's tokens."""
+    prompts = _prompts(10, seed=21)
+    full = [solo_greedy(p, 16) for p in prompts]
+    params = []
+    for i, f in enumerate(full):
+        kind = i % 3
+        if kind == 0:  # a stop token
+            params.append(SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                         stop_token_ids=[f[4]], logprobs=2))
+        elif kind == 1:  # a stop string
+            params.append(SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                         stop=[f"w{f[3]}"]))
+        else:
+            params.append(SamplingParams(max_tokens=3 + i, temperature=0, ignore_eos=True))
+    sync = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
+                  EngineConfig(executor=make_engine().config.executor, async_scheduling=False))
+    eager = make_engine()
+    assert eager.config.async_scheduling
+    want = sync.generate(prompts, params)
+    got = eager.generate(prompts, params)
+    for f, w, g in zip(full, want, got, strict=True):
+        w, g = w.outputs[0], g.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason, g.logprobs) == \
+            (w.token_ids, w.text, w.finish_reason, w.stop_reason, w.logprobs)
+        assert g.token_ids == f[:len(g.token_ids)]
+    assert {o.outputs[0].finish_reason for o in got} == {"stop", "length"}
+    for engine in (sync, eager):
+        bm = engine.scheduler.blocks
+        assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
+
+
+def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypatch):
+    """Detokenizing and stop checks happen with the next iteration already started; a
+    request ended by a stop token gets no further row, one ended by a stop string at most
+    one (its token dropped), and nothing outlives the last request."""
+    from conflux_jax.outputs import OutputTracker
+
+    engine = make_engine()
+    running = []
+    real_append = OutputTracker.append
+
+    def append(self, *args, **kwargs):
+        running.append(engine._flight is not None)
+        return real_append(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputTracker, "append", append)
+    plans = _record_launches(engine)
+    prompt = [20, 30, 40, 50]
+    full = solo_greedy(prompt, 8)
+    by_token = engine.add_request(prompt, SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[full[2]]))
+    by_string = engine.add_request(prompt, SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, stop=[f"w{full[2]}"]))
+    engine.add_request([9, 10, 11], SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True))
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    assert engine._flight is None
+    ended = {o.request_id: o for o in outs if o.finished}
+    assert ended[by_token].finish_reason == ended[by_string].finish_reason == "stop"
+    assert [t for o in outs if o.request_id == by_token for t in o.new_token_ids] == full[:3]
+    rows = {rid: sum(rid in p.sampling_ids for p in plans) for rid in (by_token, by_string)}
+    tokens = {rid: sum(len(o.new_token_ids) for o in outs if o.request_id == rid)
+              for rid in (by_token, by_string)}
+    assert rows[by_token] == tokens[by_token] == full.index(full[2]) + 1
+    assert tokens[by_string] <= rows[by_string] <= tokens[by_string] + 1
+    assert sum(running) >= len(running) - 2  # all but the last iteration's outputs
     bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))

@@ -37,13 +37,13 @@ def make_engine(mesh="sp=4,tp=1", num_pages=128, policy="conflux", caching=True,
 def record_plans(engine: Engine) -> list:
     """Every plan the engine's executor runs (the executor itself still runs them)."""
     plans = []
-    run = engine.executor.execute
+    run = engine.executor.launch  # how the engine (async scheduling) starts each plan
 
-    def execute(plan):
+    def launch(plan, prepare=None):
         plans.append(plan)
-        return run(plan)
+        return run(plan, prepare)
 
-    engine.executor.execute = execute
+    engine.executor.launch = launch
     return plans
 
 
@@ -110,14 +110,14 @@ def test_link_bytes_count_the_loads():
     engine.generate([prefix], [GREEDY])
     ex = engine.executor
     sent = []
-    run = ex.execute
+    run = ex.launch  # how the engine starts each plan
 
-    def execute(plan):
-        out = run(plan)
+    def launch(plan, prepare=None):
+        out = run(plan, prepare)
         sent.append((plan, ex.last_transfer_bytes))
         return out
 
-    ex.execute = execute
+    ex.launch = launch
     engine.generate([prefix + [5] * 9], [dataclasses.replace(GREEDY, max_tokens=1)])
     ((plan, got),) = [(p, b) for p, b in sent if p.prefill]
     (piece,) = plan.prefill

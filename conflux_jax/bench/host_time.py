@@ -11,6 +11,9 @@ figures, measured in turn in one process:
   one captured iteration's inputs already on the devices, median.
 
 Their difference is host time per iteration; printed with its share of the iteration.
+Both engine loops are measured in turn (``--modes``): with async scheduling (the
+default: the last iteration's outputs are built while the device runs the next) and one
+iteration at a time.
 The model is tiny on purpose: what is measured is the host work that grows with the
 number of requests and their contexts, which a large model on an accelerator pays alike.
 """
@@ -50,7 +53,8 @@ MODEL = ModelConfig(
     max_position_embeddings=4096, tie_word_embeddings=False, eos_token_ids=(2,))
 
 
-def build_engine(decodes: int, mesh: str, max_model_len: int) -> Engine:
+def build_engine(decodes: int, mesh: str, max_model_len: int,
+                 async_scheduling: bool = True) -> Engine:
     n = MeshSpec.parse(mesh).sp
     per_rank = -(-decodes // n)
     pages = per_rank * (-(-max_model_len // 16)) + 64
@@ -59,7 +63,8 @@ def build_engine(decodes: int, mesh: str, max_model_len: int) -> Engine:
                                              decode=(per_rank,), transfer=(64,),
                                              max_prefill_seqs=8))
     engine = Engine(MODEL, random_params(MODEL, seed=0), Tokenizer.word_level(MODEL.vocab_size),
-                    EngineConfig(executor=ec, calibrate=False, enable_prefix_caching=False))
+                    EngineConfig(executor=ec, calibrate=False, enable_prefix_caching=False,
+                                 async_scheduling=async_scheduling))
     engine.warmup(progress=False)
     engine.executor.guard.serving = True
     return engine
@@ -89,23 +94,33 @@ def captured_batches(executor: Any, want: Callable[[Any], bool] = lambda plan: T
 def device_seconds(engine: Engine, shape: Any, host: Any, repeats: int) -> float:  # noqa: ANN401
     """Median of ``repeats`` back-to-back runs of the compiled forward and sampler of
     ``shape`` on ``host``'s inputs, put on the devices once."""
+    return statistics.median(device_times(engine, shape, host, repeats))
+
+
+def device_times(engine: Engine, shape: Any, host: Any, repeats: int) -> list[float]:  # noqa: ANN401
+    """``repeats`` back-to-back runs (seconds) of the compiled forward and sampler of
+    ``shape`` on ``host``'s inputs, put on the devices once (after one untimed run)."""
     ex = engine.executor
     forward, sampler = ex.compiled_step(shape)
     inputs = ex.device_inputs(host)
     times = []
-    for i in range(repeats + 1):  # the first run warms up
+    for i in range(repeats + 1):  # the first run warms up (and waits out a running step)
         start = time.perf_counter()
         out = forward(ex.params, ex.k_pool, ex.v_pool, *inputs.forward)
         ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
         jax.device_get(sampler(out.logits, inputs.sample))
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
-            max_model_len: int = 1024, seed: int = 0) -> dict[str, Any]:
-    engine = build_engine(decodes, mesh, max_model_len)
+            max_model_len: int = 1024, seed: int = 0, async_scheduling: bool = True,
+            rounds: int = 3) -> dict[str, Any]:
+    """The figures of one engine loop. The engine's iterations and the device's replays
+    alternate in ``rounds`` blocks (``steps`` of each in all), so that a slow spell of
+    a shared host weighs on both; each figure is the median over its blocks."""
+    engine = build_engine(decodes, mesh, max_model_len, async_scheduling)
     rng = np.random.default_rng(seed)
     sp = SamplingParams(max_tokens=max_model_len - 700, temperature=0, ignore_eos=True)
     for _ in range(decodes):
@@ -117,20 +132,24 @@ def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
     ex = engine.executor
     for _ in range(5):  # settle
         engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    assert sched.num_decoding == decodes, "a request finished inside the timed steps"
     with captured_batches(ex) as kept:
         engine.step()
     shape, host = kept[-1]
     assert shape.prefill == 0 and shape.decode >= decodes // ex.num_ranks
-    step_s = statistics.median(times)
-    device_s = device_seconds(engine, shape, host, steps)
+    times: list[float] = []
+    device: list[float] = []
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for _ in range(per_round):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        device += device_times(engine, shape, host, per_round)
+    assert sched.num_decoding == decodes, "a request finished inside the timed steps"
+    step_s, device_s = statistics.median(times), statistics.median(device)
     host_s = max(0.0, step_s - device_s)
-    return {"decodes": decodes, "mesh": mesh, "steps": steps, "shape": str(shape),
+    return {"decodes": decodes, "mesh": mesh, "steps": len(times), "shape": str(shape),
+            "async_scheduling": async_scheduling,
             "step_ms": 1e3 * step_s, "device_ms": 1e3 * device_s, "host_ms": 1e3 * host_s,
             "host_share": host_s / step_s}
 
@@ -142,14 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decodes", type=int, default=256, help="resident decodes")
     ap.add_argument("--mesh", default="sp=4,tp=1", help="simulated CPU mesh")
     ap.add_argument("--steps", type=int, default=30, help="timed iterations")
+    ap.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"],
+                    help="engine loops to measure, in turn: async scheduling, one "
+                         "iteration at a time")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
-    r = measure(args.decodes, args.mesh, args.steps)
-    print(f"{r['decodes']} resident decodes on {r['mesh']}: iteration {r['step_ms']:.2f} ms, "
-          f"device {r['device_ms']:.2f} ms, host {r['host_ms']:.2f} ms "
-          f"({100 * r['host_share']:.0f}% of the iteration)")
+    results = []
+    for mode in args.modes:
+        r = measure(args.decodes, args.mesh, args.steps, async_scheduling=mode == "async")
+        results.append(r)
+        print(f"{r['decodes']} resident decodes on {r['mesh']}, {mode}: iteration "
+              f"{r['step_ms']:.2f} ms, device {r['device_ms']:.2f} ms, host "
+              f"{r['host_ms']:.2f} ms ({100 * r['host_share']:.0f}% of the iteration)",
+              flush=True)
     if args.json:
-        args.json.write_text(json.dumps(r, indent=2))
+        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 

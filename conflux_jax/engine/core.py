@@ -7,8 +7,9 @@ simulation is the code that serves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from conflux_jax.plan import (
     Executor,
@@ -16,6 +17,7 @@ from conflux_jax.plan import (
     IterationPlan,
     KVLost,
     Preparer,
+    RunningStep,
     StepResult,
 )
 from conflux_jax.scheduler.request import Request
@@ -33,6 +35,24 @@ class StepFailed(RuntimeError):
     def __init__(self, plan: IterationPlan, cause: BaseException) -> None:
         super().__init__(f"step failed ({len(plan.request_ids)} requests): {cause!r}")
         self.plan = plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """An iteration the executor ran to the end before returning."""
+
+    done: StepResult
+
+    def result(self) -> StepResult:
+        return self.done
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A planned iteration set running; :meth:`EngineCore.finish` waits and commits it."""
+
+    plan: IterationPlan
+    running: RunningStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,23 +98,33 @@ class EngineCore:
         and the others resume as if preempted. :class:`~conflux_jax.plan.ExecutorLost`
         (the instance itself is gone) passes through unwrapped: no request can resume.
         """
+        flight = self.start(prepare, wait=True)
+        return None if flight is None else self.finish(flight, observe)
+
+    def start(self, prepare: Preparer | None = None, wait: bool = False) -> InFlight | None:
+        """Plan one iteration and set it running on the executor (``launch``: the call
+        returns while the device computes; with ``wait``, ``execute``: it returns done).
+        None when nothing could be scheduled. Nothing else may be scheduled until
+        :meth:`finish` commits it. Raises as :meth:`step`."""
         sched = self.scheduler
         plan = sched.schedule(self.executor.now())
         if plan.empty:
             sched.commit(plan, None)
             return None
-        try:
+        ex = self.executor
+        with self._failing(plan):
             # The executor completes the plan (grammar masks) while its device runs it.
-            result = self.executor.execute(plan) if prepare is None else \
-                self.executor.execute(plan, prepare)
-        except ExecutorLost:
-            sched.commit(plan, None)
-            raise
-        except Exception as exc:
-            sched.commit(plan, None)
-            if isinstance(exc, KVLost):
-                sched.recompute_all()
-            raise StepFailed(plan, exc) from exc
+            if not wait:
+                return InFlight(plan, ex.launch(plan, prepare))  # type: ignore[attr-defined]
+            return InFlight(plan, Done(ex.execute(plan) if prepare is None else
+                                       ex.execute(plan, prepare)))
+
+    def finish(self, flight: InFlight, observe: Observer | None = None) -> Iteration:
+        """Wait for a started iteration, show it to ``observe`` and commit it. Raises as
+        :meth:`step`."""
+        sched, plan = self.scheduler, flight.plan
+        with self._failing(plan):
+            result = flight.running.result()
         if observe is not None:
             try:
                 observe(plan, result)
@@ -105,3 +135,18 @@ class EngineCore:
                 raise StepFailed(plan, exc) from exc
         finished = sched.commit(plan, result)
         return Iteration(plan, result, tuple(finished))
+
+    @contextlib.contextmanager
+    def _failing(self, plan: IterationPlan) -> Iterator[None]:
+        """An executor failure on ``plan``: commit it as not run, then raise (see step)."""
+        sched = self.scheduler
+        try:
+            yield
+        except ExecutorLost:
+            sched.commit(plan, None)
+            raise
+        except Exception as exc:
+            sched.commit(plan, None)
+            if isinstance(exc, KVLost):
+                sched.recompute_all()
+            raise StepFailed(plan, exc) from exc

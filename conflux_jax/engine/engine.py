@@ -22,14 +22,21 @@ import numpy as np
 
 from conflux_jax.engine.calibration import ENV_VAR as CALIBRATE_ENV
 from conflux_jax.engine.calibration import Budget, calibrate, load_saved
-from conflux_jax.engine.core import EngineCore, StepFailed
+from conflux_jax.engine.core import EngineCore, InFlight, Observer, StepFailed
 from conflux_jax.executor.device import is_accelerator
 from conflux_jax.executor.jax_executor import ExecutorConfig, JaxExecutor
 from conflux_jax.grammar import GrammarCompiler, GrammarError, Matcher
 from conflux_jax.latency import Affine, LatencyModel, load_fitted, profile_name, roofline_model
 from conflux_jax.latency.roofline import ModelShape, hardware_for_device_kind
 from conflux_jax.outputs import OutputTracker, RequestOutput
-from conflux_jax.plan import IterationPlan, SamplingSpec, StepResult
+from conflux_jax.plan import (
+    ExecutorLost,
+    IterationPlan,
+    Preparer,
+    SampledToken,
+    SamplingSpec,
+    StepResult,
+)
 from conflux_jax.sampling import SamplingParams
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
@@ -87,6 +94,10 @@ class EngineConfig:
     # A prefix hit's short suffix prefills on its owner rank alone when the latency model
     # says it is cheaper (SchedulerConfig.local_prefill); False = always load + Ulysses.
     local_prefill: bool = True
+    # Async scheduling (vLLM's --async-scheduling): the next iteration is planned and
+    # set running before the last one's tokens become outputs, which the host builds
+    # while the device computes. False = one iteration at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -115,6 +126,7 @@ class _Live:
     tracker: OutputTracker
     arrival_s: float
     first_token_s: float | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     token_times: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -160,6 +172,8 @@ class Engine:
         self._fixed_masks: dict[int, np.ndarray] = {}
         self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         self._failed_now: list[StepOutput] = []  # failed while preparing this step's plan
+        self._flight: InFlight | None = None  # the iteration running (async scheduling)
+        self._lost: ExecutorLost | None = None  # raised by the next step()
         self._next_id = 0
         self._rng = random.Random()
 
@@ -321,6 +335,8 @@ class Engine:
         if live is not None:
             live.tracker.abort()
             self.core.abort(request_id)
+            if not self._live:
+                self._drain()
 
     def _forget(self, request_id: int) -> _Live | None:
         self._matchers.pop(request_id, None)
@@ -338,57 +354,153 @@ class Engine:
 
     # ------------------------------------------------------------------ the iteration
     def step(self) -> list[StepOutput]:
-        """Run one iteration; returns the new tokens of every request that got one."""
-        outputs: list[StepOutput] = []
+        """Run one iteration; returns the new tokens of every request that got one.
 
-        def observe(plan: IterationPlan, result: StepResult) -> None:
-            # Once per sampled row every iteration (hundreds at high concurrency): names
-            # bound once, and no per-row lookup that the step's requests do not need.
-            now, live_get, matchers = result.end_s, self._live.get, self._matchers
-            add = outputs.append
-            for rid, s in result.sampled.items():
-                live = live_get(rid)
-                if live is None:  # aborted while the step ran
-                    continue
-                tracker = live.tracker
-                cached = None
-                if live.first_token_s is None:
-                    live.first_token_s = now
-                    st = self.scheduler.state(rid)
-                    cached = st.cached_tokens if st is not None else 0
-                live.token_times.append(now)
-                n_top = tracker.params.logprobs
-                top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
-                delta = tracker.append(s.token, s.logprob, top)
-                matcher = matchers.get(rid) if matchers else None
-                if matcher is not None and not tracker.finished:
-                    if not matcher.advance(s.token):
-                        delta += tracker.abort("error")
-                        log.error("request %d: grammar rejected a masked token: %s", rid,
-                                  matcher.error)
-                    elif matcher.finished:  # the grammar is complete: no EOS step needed
-                        delta += tracker.stop()
-                reason = tracker.finish_reason
-                add(StepOutput(
-                    rid, [s.token], delta, reason is not None, reason, now,
-                    [tracker.logprobs[-1]] if tracker.logprobs is not None else None,
-                    cached))
-                if reason is not None:
-                    self.scheduler.finish(rid)
+        With async scheduling (``EngineConfig.async_scheduling``, the default) a call
+        waits for the iteration the previous call set running, commits it, sets the next
+        one running, and then turns the finished iteration's tokens into outputs
+        (detokenize, stop strings, streaming deltas) while the device computes the next:
+        the outputs returned are those of the iteration that finished in this call. A
+        request that a stop token, its length or its grammar ends gets no further row; one
+        that a stop string ends has one more row in the iteration already running, whose
+        token is dropped (vLLM's async scheduling does the same).
+        """
+        if not self.config.async_scheduling:
+            outputs: list[StepOutput] = []
+            try:
+                self.core.step(self._observer(outputs), self._preparer())
+            except StepFailed as failed:  # a failing step fails its requests, not the engine
+                return self._failed_step(failed)
+            return self._settle(outputs)
+        if self._lost is not None:  # found by the last call, after its outputs
+            lost, self._lost = self._lost, None
+            raise lost
+        outputs = []
+        flight, self._flight = self._flight, None
+        done = None
+        if flight is not None:
+            try:
+                done = self.core.finish(flight, self._observer(outputs, early=True))
+            except StepFailed as failed:
+                outputs += self._failed_step(failed)
+        if self._live:
+            try:
+                self._flight = self.core.start(self._preparer())
+            except StepFailed as failed:
+                outputs += self._failed_step(failed)
+            except ExecutorLost as exc:
+                if done is None:
+                    raise
+                self._lost = exc  # the finished iteration's outputs go out first
+        if done is not None:  # the device runs the next iteration meanwhile
+            late: list[StepOutput] = []
+            try:
+                self._observer(late, late=True)(done.plan, done.result)
+            except Exception:  # its KV is committed: fail its requests, not the engine
+                log.exception("output processing failed; failing the step's %d requests",
+                              len(done.plan.request_ids))
+                late = self._fail(list(done.plan.request_ids))
+            outputs += late
+        outputs = self._settle(outputs)
+        if not self._live:
+            self._drain()
+        return outputs
 
-        try:
-            masked = self._matchers or self._fixed_masks or self._min_tokens
-            self.core.step(observe, self._prepare if masked else None)
-        except StepFailed as failed:  # a failing step fails its requests, not the engine
-            log.error("step failed; failing its %d requests", len(failed.plan.request_ids),
-                      exc_info=failed.__cause__)
-            return self._fail(failed.plan.request_ids)
+    def _preparer(self) -> Preparer | None:
+        masked = self._matchers or self._fixed_masks or self._min_tokens
+        return self._prepare if masked else None
+
+    def _failed_step(self, failed: StepFailed) -> list[StepOutput]:
+        log.error("step failed; failing its %d requests", len(failed.plan.request_ids),
+                  exc_info=failed.__cause__)
+        return self._fail(list(failed.plan.request_ids))
+
+    def _settle(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Forget the requests ``outputs`` finish; first come those that failed while
+        their plan was prepared."""
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
         if self._failed_now:
             outputs, self._failed_now = self._failed_now + outputs, []
         return outputs
+
+    def _drain(self) -> None:
+        """Commit the iteration still running once no request is left to use it (its rows
+        are of requests that ended meanwhile), so that none outlives the last request."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        try:
+            self.core.finish(flight)
+        except StepFailed as failed:  # no live request was in it: nothing to fail
+            log.warning("a step of ended requests failed: %s", failed.__cause__)
+
+    def _observer(self, outputs: list[StepOutput], early: bool = False, late: bool = False
+                  ) -> Observer:
+        """What an executed iteration's tokens do: each request's output (detokenized,
+        checked against its stop conditions) appended to ``outputs``; a finished request
+        leaves the scheduler.
+
+        With async scheduling that work is split. ``early`` (before the iteration commits,
+        so before the next is planned) does only what the next plan must know: a stop
+        token ends its request; grammar-constrained requests are observed in full (the
+        next mask follows their token). ``late`` (while the device runs the next
+        iteration) observes every other request.
+        """
+        def observe(plan: IterationPlan, result: StepResult) -> None:
+            # Once per sampled row every iteration (hundreds at high concurrency): names
+            # bound once, and no per-row lookup that the step's requests do not need.
+            now, live_get, matchers = result.end_s, self._live.get, self._matchers
+            finish = self.scheduler.finish
+            add = outputs.append
+            for rid, s in result.sampled.items():
+                live = live_get(rid)
+                if live is None:  # aborted or ended while the step ran
+                    continue
+                if early:
+                    if live.cached_tokens is None:  # its state may be gone before `late`
+                        st = self.scheduler.state(rid)
+                        live.cached_tokens = st.cached_tokens if st is not None else 0
+                    if not (matchers and rid in matchers):
+                        if live.tracker.stops_at(s.token):
+                            finish(rid)
+                        continue
+                elif late and matchers and rid in matchers:
+                    continue  # observed early
+                out = self._output(rid, live, s, now)
+                add(out)
+                if out.finished:
+                    finish(rid)
+
+        return observe
+
+    def _output(self, rid: int, live: _Live, s: SampledToken, now: float) -> StepOutput:
+        """One request's new token through its tracker (and grammar): its output."""
+        tracker = live.tracker
+        cached = None
+        if live.first_token_s is None:
+            live.first_token_s = now
+            cached = live.cached_tokens
+            if cached is None:
+                st = self.scheduler.state(rid)
+                cached = st.cached_tokens if st is not None else 0
+        live.token_times.append(now)
+        n_top = tracker.params.logprobs
+        top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
+        delta = tracker.append(s.token, s.logprob, top)
+        matcher = self._matchers.get(rid) if self._matchers else None
+        if matcher is not None and not tracker.finished:
+            if not matcher.advance(s.token):
+                delta += tracker.abort("error")
+                log.error("request %d: grammar rejected a masked token: %s", rid,
+                          matcher.error)
+            elif matcher.finished:  # the grammar is complete: no EOS step needed
+                delta += tracker.stop()
+        reason = tracker.finish_reason
+        return StepOutput(rid, [s.token], delta, reason is not None, reason, now,
+                          [tracker.logprobs[-1]] if tracker.logprobs is not None else None,
+                          cached)
 
     def _prepare(self, plan: IterationPlan) -> IterationPlan:
         """The token masks of the plan's masked rows: grammar masks from committed tokens,

@@ -14,10 +14,11 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -175,6 +176,34 @@ class DeviceInputs(NamedTuple):
 
     forward: tuple[Any, ...]
     sample: Any
+
+
+class _Dispatched(NamedTuple):
+    """A step whose forward and sampler are dispatched; the pools it was given, to tell
+    after a failure whether they went with it."""
+
+    out: Any  # the forward's outputs (logits, new pools)
+    sampled: jax.Array  # i32[N, R, packed]: the sampler's packed rows
+    k_pool: jax.Array
+    v_pool: jax.Array
+
+
+class LaunchedStep:
+    """A launched plan (``JaxExecutor.launch``); ``result()`` waits for its tokens once
+    and keeps them."""
+
+    def __init__(self, executor: JaxExecutor, rows: dict[int, tuple[int, int]], start: float,
+                 collect: Callable[[], tuple[Any, Any]]) -> None:
+        self._executor, self._rows, self._start, self._collect = executor, rows, start, collect
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            s, logits = self._collect()
+            sampled = self._executor._sampled(self._rows, s, logits)
+            end = time.perf_counter()
+            self._result = StepResult(sampled=sampled, latency_s=end - self._start, end_s=end)
+        return self._result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,14 +509,25 @@ class JaxExecutor:
     def _put_sample(self, sample: SampleRows) -> PackedSample:
         """The sampler's rows onto the mesh (small fields packed); the large buffers that
         are already the executor's device-resident padding stay as they are."""
-        packed = PackedSample.pack(sample)
-        on_host = {k: x for k, x in packed._asdict().items() if not isinstance(x, jax.Array)}
+        packed, on_host = self._pack_sample(sample)
         return packed._replace(**self._put(on_host, self._packed_shardings(on_host)))
+
+    @staticmethod
+    def _pack_sample(sample: SampleRows) -> tuple[PackedSample, dict[str, np.ndarray]]:
+        """The sampler's rows packed, and those of its fields still on the host."""
+        packed = PackedSample.pack(sample)
+        return packed, {k: x for k, x in packed._asdict().items()
+                        if not isinstance(x, jax.Array)}
+
+    @functools.cached_property
+    def _batch_shardings(self) -> tuple[NamedSharding, NamedSharding]:
+        """Per rank (``sp``) and replicated, made once: every step's inputs take them."""
+        return NamedSharding(self.mesh, P(SP)), NamedSharding(self.mesh, P())
 
     def _packed_shardings(self, packed: Any) -> Any:
         """Shardings for a packed batch: a ``Packed``'s buffer per rank (``sp``) or
         replicated as its layout says; a ``PackedSample``'s leaves all per rank."""
-        per_rank, replicated = (NamedSharding(self.mesh, spec) for spec in (P(SP), P()))
+        per_rank, replicated = self._batch_shardings
 
         def sharding(x: Any) -> Any:
             if isinstance(x, Packed):  # the same tree, its buffer's sharding as the leaf
@@ -497,8 +537,13 @@ class JaxExecutor:
         return jax.tree.map(sharding, packed, is_leaf=lambda x: isinstance(x, Packed))
 
     def device_inputs(self, host: StepBatch) -> DeviceInputs:
-        """A host batch on the mesh, as the compiled forward and sampler take it."""
-        return DeviceInputs(self._put_forward(host), self._put_sample(host.sample))
+        """A host batch on the mesh, as the compiled forward and sampler take it: the
+        forward's and the sampler's buffers in one batched transfer."""
+        forward = pack_forward(host)
+        sample, on_host = self._pack_sample(host.sample)
+        forward, on_host = self._put((forward, on_host), (self._packed_shardings(forward),
+                                                          self._packed_shardings(on_host)))
+        return DeviceInputs(forward, sample._replace(**on_host))
 
     def compiled_step(self, shape: StepShape) -> tuple[Any, Any]:
         """The compiled forward and sampler of ``shape`` (compiled now when warm-up did
@@ -580,6 +625,12 @@ class JaxExecutor:
         runs the forward; its ``token_masks`` go to the sampler. In a multi-process
         instance it runs first: the other processes need the masks in the step's message.
         """
+        return self.launch(plan, prepare).result()
+
+    def launch(self, plan: IterationPlan, prepare: Preparer | None = None) -> LaunchedStep:
+        """Start one plan as :meth:`execute` runs it and return once the device has it:
+        the host is free while it computes. ``result()`` on the returned step waits for
+        the tokens. (A multi-process instance runs the step to the end here.)"""
         if not self.is_leader:
             raise RuntimeError("only process 0 executes plans; the others follow()")
         start = time.perf_counter()
@@ -594,19 +645,87 @@ class JaxExecutor:
             def complete() -> SampleRows:
                 return self._with_masks(host.sample, rows, prepare(plan).token_masks)
         if self.channel is None:
-            s, logits = self._run(shape, host, complete)
-        else:
-            # Past this point every process runs the step: any failure leaves them out of
-            # step with each other, so it ends the instance, not just this step.
-            seq = self.channel.send(shape, host)
+            dispatched = self._dispatch(shape, host, complete)
+            return LaunchedStep(self, rows, start, lambda: self._collect(dispatched))
+        # Past this point every process runs the step: any failure leaves them out of
+        # step with each other, so it ends the instance, not just this step.
+        seq = self.channel.send(shape, host)
+        try:
+            ran = self._run(shape, host)
+        except RecompilationError:
+            self.channel.done(seq)  # the step itself ran everywhere
+            raise
+        except Exception as exc:
+            raise self._lost(exc) from exc
+        self.channel.done(seq)
+        return LaunchedStep(self, rows, start, lambda: ran)
+
+    def _run(self, shape: StepShape, host: StepBatch) -> tuple[Any, Any]:
+        """Run the step of ``shape`` on ``host`` to the end; see :meth:`_collect`."""
+        return self._collect(self._dispatch(shape, host))
+
+    def _dispatch(self, shape: StepShape, host: StepBatch,
+                  complete: Callable[[], SampleRows] | None = None) -> _Dispatched:
+        """Dispatch the forward of ``shape`` on ``host``, then the sampler on
+        ``host.sample`` or, when given, on what ``complete()`` returns (host work that
+        overlaps the forward). Returns before the device has finished either."""
+        forward, sampler = self.compiled_step(shape)
+        k_pool, v_pool = self.k_pool, self.v_pool
+        out = None
+        with self.guard.watch():
             try:
-                s, logits = self._run(shape, host)
-            except RecompilationError:
-                self.channel.done(seq)  # the step itself ran everywhere
-                raise
+                if complete is None:  # the sampler's rows are known: one transfer
+                    inputs = self.device_inputs(host)
+                    out = forward(self.params, k_pool, v_pool, *inputs.forward)
+                    sample = inputs.sample
+                else:
+                    out = forward(self.params, k_pool, v_pool, *self._put_forward(host))
+                    sample = self._put_sample(complete())  # while the forward runs
+                # The forward's pools, valid unless it fails (which surfaces below).
+                self.k_pool, self.v_pool = out.k_pool, out.v_pool
+                sampled = sampler(out.logits, sample)
             except Exception as exc:
-                raise self._lost(exc) from exc
-            self.channel.done(seq)
+                lost = self._kv_lost(exc, k_pool, v_pool, out)
+                if lost is None:
+                    raise
+                raise lost from exc
+        return _Dispatched(out, sampled, k_pool, v_pool)
+
+    def _collect(self, step: _Dispatched) -> tuple[Any, Any]:
+        """Wait for a dispatched step: the numpy ``SampledRows`` (replicated: every rank's
+        rows) and, with ``return_logits``, the sampling rows' logits f32[N, R, V]."""
+        try:
+            # Errors of the device computations surface here, when results are read.
+            s = SampledRows.from_packed(np.asarray(jax.device_get(step.sampled)))
+            logits = jax.device_get(step.out.logits) if self.exec_config.return_logits \
+                else None
+        except Exception as exc:
+            lost = self._kv_lost(exc, step.k_pool, step.v_pool, step.out)
+            if lost is None:
+                raise
+            raise lost from exc
+        return s, logits
+
+    def _kv_lost(self, exc: Exception, k_pool: jax.Array, v_pool: jax.Array,
+                 out: Any) -> KVLost | None:  # noqa: ANN401
+        """For a step that raised ``exc``: when it took the KV with it (the pools were
+        donated to a forward that failed), rebuild them empty and return the
+        :class:`KVLost` to raise; None when the KV is intact."""
+        if self.channel is not None:
+            return None  # fails the instance (ExecutorLost): no pool to rebuild
+        if not (k_pool.is_deleted() or v_pool.is_deleted()):
+            return None  # failed before the pools were donated: they still hold the KV
+        if out is not None and _computed(out.k_pool) and _computed(out.v_pool):
+            return None  # the forward ran: its pools hold the KV (the host or sampler failed)
+        # Donated to the failed call: deleted, and its outputs hold the error.
+        self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
+        return KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
+                      "its donated KV pools are gone and were rebuilt empty")
+
+    def _sampled(self, rows: Mapping[int, tuple[int, int]], s: Any, logits: Any
+                 ) -> dict[int, SampledToken]:  # noqa: ANN401
+        """Each sampling request's token from the step's rows (``rows``: request id ->
+        (rank, row))."""
         # Python lists once, then plain indexing: per-row numpy scalars cost ~10 us each.
         tokens, logprobs = s.tokens.tolist(), s.logprobs.tolist()
         new = tuple.__new__  # the NamedTuple's Python-level __new__ skipped: once per row
@@ -622,41 +741,7 @@ class JaxExecutor:
                        for req, (rank, row) in rows.items()}
         if logits is not None:
             self.last_logits = {req: logits[rank, row] for req, (rank, row) in rows.items()}
-        end = time.perf_counter()
-        return StepResult(sampled=sampled, latency_s=end - start, end_s=end)
-
-    def _run(self, shape: StepShape, host: StepBatch,
-             complete: Callable[[], SampleRows] | None = None) -> tuple[Any, Any]:
-        """Run the step of ``shape`` on ``host``: dispatch the forward, then the sampler on
-        ``host.sample`` or, when given, on what ``complete()`` returns (host work that
-        overlaps the forward). Returns the numpy ``SampledRows`` (replicated: every rank's
-        rows) and, with ``return_logits``, the sampling rows' logits f32[N, R, V]."""
-        forward, sampler = self.compiled_step(shape)
-        k_pool, v_pool = self.k_pool, self.v_pool
-        with self.guard.watch():
-            out = None
-            try:
-                out = forward(self.params, k_pool, v_pool, *self._put_forward(host))
-                # The forward's pools, valid unless it fails (which surfaces below).
-                self.k_pool, self.v_pool = out.k_pool, out.v_pool
-                sample = host.sample if complete is None else complete()
-                sampled = sampler(out.logits, self._put_sample(sample))
-                # Errors of the device computations surface here, when results are read.
-                s = SampledRows.from_packed(np.asarray(jax.device_get(sampled)))
-                logits = jax.device_get(out.logits) if self.exec_config.return_logits \
-                    else None
-            except Exception as exc:
-                if self.channel is not None:
-                    raise  # fails the instance (ExecutorLost): no pool to rebuild
-                if not (k_pool.is_deleted() or v_pool.is_deleted()):
-                    raise  # failed before the pools were donated: they still hold the KV
-                if out is not None and _computed(out.k_pool) and _computed(out.v_pool):
-                    raise  # the forward ran: its pools hold the KV (the host or sampler failed)
-                # Donated to the failed call: deleted, and its outputs hold the error.
-                self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
-                raise KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
-                             "its donated KV pools are gone and were rebuilt empty") from exc
-        return s, logits
+        return sampled
 
     def _lost(self, exc: Exception) -> ExecutorLost:
         if isinstance(exc, ExecutorLost):

@@ -14,17 +14,17 @@ from serving.engine_loop import SWITCH_INTERVAL_S, EngineLoop
 
 def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
     executor = tiny_engine.executor
-    real_execute = executor.execute
+    real_launch = executor.launch  # how the engine starts each plan
     steps: list[set[int]] = []
 
-    def spy(plan):
+    def spy(plan, prepare=None):
         steps.append(set(plan.request_ids))
-        return real_execute(plan)
+        return real_launch(plan, prepare)
 
     # idle: blocked on its intake. A wider gap than the default 3 ms, so a busy host's
     # scheduling jitter between the submits cannot split the burst.
     loop = EngineLoop(tiny_engine, burst_gap_s=0.05, burst_max_s=0.5)
-    executor.execute = spy
+    executor.launch = spy
     try:
         loop.start(warmup=False)
 
@@ -44,7 +44,7 @@ def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
         ids, outs = asyncio.run(asyncio.wait_for(burst(), 60))
         loop.stop(timeout=10)
     finally:
-        executor.execute = real_execute
+        executor.launch = real_launch
     assert steps[0] == set(ids)  # all four prefilled together, none waited out a step
     # After each device call the engine thread waits at most this long for the GIL.
     assert sys.getswitchinterval() <= SWITCH_INTERVAL_S

@@ -19,20 +19,20 @@ from serving.engine_loop import EngineLoop, EngineLoopClosed
 
 def test_a_lost_executor_fails_the_open_requests_and_stops_the_loop(tiny_engine):
     executor = tiny_engine.executor
-    real_execute = executor.execute
+    real_launch = executor.launch  # how the engine starts each plan
     steps = 0
 
-    def lost_after_two_steps(plan):
+    def lost_after_two_steps(plan, prepare=None):
         nonlocal steps
         steps += 1
         if steps > 2:
             raise ExecutorLost("process 1 of 2 died")
-        return real_execute(plan)
+        return real_launch(plan, prepare)
 
     fatal = threading.Event()
     loop = EngineLoop(tiny_engine)
     loop.on_fatal = fatal.set
-    executor.execute = lost_after_two_steps
+    executor.launch = lost_after_two_steps
     try:
         loop.start(warmup=False)
 
@@ -45,7 +45,7 @@ def test_a_lost_executor_fails_the_open_requests_and_stops_the_loop(tiny_engine)
         loop.stop(timeout=10)
         assert not loop.alive
     finally:
-        executor.execute = real_execute
+        executor.launch = real_launch
     assert len(outs) == 3 and outs[-1].finished and outs[-1].finish_reason == "error"
     assert not tiny_engine.has_unfinished
     bm = tiny_engine.scheduler.blocks

@@ -225,14 +225,14 @@ def test_a_stalled_instance_fails_its_request_with_an_error_naming_it(
     def slow_down(name: str) -> None:
         i = int(name.rsplit("-", 1)[1])
         executor = routed.engines[i].executor
-        real = executor.execute
+        real = executor.launch  # how the engine starts each plan
 
-        def slow(plan: Any) -> Any:
+        def slow(plan: Any, prepare: Any = None) -> Any:
             time.sleep(1.5)
-            return real(plan)
+            return real(plan, prepare)
 
         slowed[i] = (executor, real)
-        executor.execute = slow
+        executor.launch = slow
 
     old = routed.routed.timeouts
     routed.routed.timeouts = Timeouts(report_s=5.0, start_s=30.0, output_s=0.5,
@@ -242,7 +242,7 @@ def test_a_stalled_instance_fails_its_request_with_an_error_naming_it(
     finally:
         routed.routed.timeouts = old
         for executor, real in slowed.values():
-            executor.execute = real
+            executor.launch = real
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1, events[-3:]
     message = errors[0]["error"]["message"]
@@ -258,12 +258,12 @@ def test_a_stalled_instance_fails_its_request_with_an_error_naming_it(
 def test_a_stall_fails_a_whole_non_streaming_request_with_a_502(routed: RoutedServer) -> None:
     """Both choices of an n=2 request stall (every step now takes seconds): a 502 naming
     the instance, and neither choice is left running or counted in flight."""
-    reals = [(e.executor, e.executor.execute) for e in routed.engines]
+    reals = [(e.executor, e.executor.launch) for e in routed.engines]
 
     def slowed(real: Any) -> Any:
-        def slow(plan: Any) -> Any:
+        def slow(plan: Any, prepare: Any = None) -> Any:
             time.sleep(1.5)
-            return real(plan)
+            return real(plan, prepare)
         return slow
 
     old = routed.routed.timeouts
@@ -271,14 +271,14 @@ def test_a_stall_fails_a_whole_non_streaming_request_with_a_502(routed: RoutedSe
                                       poll_interval_s=0.2)
     try:
         for executor, real in reals:
-            executor.execute = slowed(real)
+            executor.launch = slowed(real)
         r = httpx.post(routed.url + "/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": [61, 62, 63], "max_tokens": 50,
                              "ignore_eos": True, "n": 2})
     finally:
         routed.routed.timeouts = old
         for executor, real in reals:
-            executor.execute = real
+            executor.launch = real
     assert r.status_code == 502, r.text
     assert re.search(r"engine instance instance-\d failed .*sent nothing for 0.5 s",
                      r.json()["error"]["message"])
@@ -296,11 +296,11 @@ def test_a_lost_instance_fails_its_request_and_the_other_serves_the_rest(
         i = int(name.rsplit("-", 1)[1])
         executor = routed.engines[i].executor
 
-        def gone(plan: Any) -> Any:
+        def gone(plan: Any, prepare: Any = None) -> Any:
             raise ExecutorLost("process 1 of 2 died")
 
-        lost.append((executor, executor.execute, name))
-        executor.execute = gone
+        lost.append((executor, executor.launch, name))
+        executor.launch = gone
 
     try:
         served, events = _stream_events(routed.url, [21, 22, 23, 24], 200, lose)
@@ -314,7 +314,7 @@ def test_a_lost_instance_fails_its_request_and_the_other_serves_the_rest(
         assert httpx.get(routed.url + "/health", timeout=10).status_code == 200
     finally:
         for executor, real, _ in lost:
-            executor.execute = real
+            executor.launch = real
 
 
 def test_summed_counters_only_go_up_across_an_instance_restart() -> None:

@@ -204,19 +204,19 @@ def test_non_streaming_client_disconnect_aborts(server):
 
 
 def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server):
-    """Fault injection at the executor boundary: the next ``execute`` raises once."""
+    """Fault injection at the executor boundary: the next ``launch`` raises once."""
     server.wait_idle()
     executor = server.engine.executor
-    real_run = executor.execute
+    real_run = executor.launch  # how the engine starts each plan
     armed = threading.Event()
 
-    def failing_once(plan):
+    def failing_once(plan, prepare=None):
         if armed.is_set():
             armed.clear()
             raise RuntimeError("injected device failure")
-        return real_run(plan)
+        return real_run(plan, prepare)
 
-    executor.execute = failing_once
+    executor.launch = failing_once
     try:
         client = server.client(api_key=KEY)
         stream = client.completions.create(model="tiny", prompt="hello", max_tokens=100,
@@ -237,7 +237,7 @@ def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
     finally:
-        executor.execute = real_run
+        executor.launch = real_run
     server.wait_idle()
     assert server.leaked_pages() == 0
 
