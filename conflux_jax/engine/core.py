@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import cast
 
 from conflux_jax.plan import (
     Executor,
     ExecutorLost,
     IterationPlan,
     KVLost,
+    LaunchingExecutor,
     Preparer,
     RunningStep,
     StepResult,
@@ -115,7 +117,7 @@ class EngineCore:
         with self._failing(plan):
             # The executor completes the plan (grammar masks) while its device runs it.
             if not wait:
-                return InFlight(plan, ex.launch(plan, prepare))  # type: ignore[attr-defined]
+                return InFlight(plan, cast(LaunchingExecutor, ex).launch(plan, prepare))
             return InFlight(plan, Done(ex.execute(plan) if prepare is None else
                                        ex.execute(plan, prepare)))
 

@@ -16,7 +16,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -380,7 +380,7 @@ class Engine:
         done = None
         if flight is not None:
             try:
-                done = self.core.finish(flight, self._observer(outputs, early=True))
+                done = self.core.finish(flight, self._observer(outputs, "early"))
             except StepFailed as failed:
                 outputs += self._failed_step(failed)
         if self._live:
@@ -395,7 +395,7 @@ class Engine:
         if done is not None:  # the device runs the next iteration meanwhile
             late: list[StepOutput] = []
             try:
-                self._observer(late, late=True)(done.plan, done.result)
+                self._observer(late, "late")(done.plan, done.result)
             except Exception:  # its KV is committed: fail its requests, not the engine
                 log.exception("output processing failed; failing the step's %d requests",
                               len(done.plan.request_ids))
@@ -436,14 +436,15 @@ class Engine:
         except StepFailed as failed:  # no live request was in it: nothing to fail
             log.warning("a step of ended requests failed: %s", failed.__cause__)
 
-    def _observer(self, outputs: list[StepOutput], early: bool = False, late: bool = False
-                  ) -> Observer:
+    def _observer(self, outputs: list[StepOutput],
+                  part: Literal["all", "early", "late"] = "all") -> Observer:
         """What an executed iteration's tokens do: each request's output (detokenized,
         checked against its stop conditions) appended to ``outputs``; a finished request
         leaves the scheduler.
 
-        With async scheduling that work is split. ``early`` (before the iteration commits,
-        so before the next is planned) does only what the next plan must know: a stop
+        With async scheduling that work is split in two ``part``s. ``early`` (before the
+        iteration commits, so before the next is planned) does only what the next plan
+        must know: a stop
         token ends its request; grammar-constrained requests are observed in full (the
         next mask follows their token). ``late`` (while the device runs the next
         iteration) observes every other request.
@@ -458,15 +459,14 @@ class Engine:
                 live = live_get(rid)
                 if live is None:  # aborted or ended while the step ran
                     continue
-                if early:
+                if part == "early":
                     if live.cached_tokens is None:  # its state may be gone before `late`
-                        st = self.scheduler.state(rid)
-                        live.cached_tokens = st.cached_tokens if st is not None else 0
+                        self._cached_tokens(rid, live)
                     if not (matchers and rid in matchers):
                         if live.tracker.stops_at(s.token):
                             finish(rid)
                         continue
-                elif late and matchers and rid in matchers:
+                elif part == "late" and matchers and rid in matchers:
                     continue  # observed early
                 out = self._output(rid, live, s, now)
                 add(out)
@@ -475,16 +475,21 @@ class Engine:
 
         return observe
 
+    def _cached_tokens(self, rid: int, live: _Live) -> int:
+        """The request's prompt tokens served from the prefix cache, read from its
+        scheduler state once and kept (the state goes when the request finishes)."""
+        if live.cached_tokens is None:
+            st = self.scheduler.state(rid)
+            live.cached_tokens = st.cached_tokens if st is not None else 0
+        return live.cached_tokens
+
     def _output(self, rid: int, live: _Live, s: SampledToken, now: float) -> StepOutput:
         """One request's new token through its tracker (and grammar): its output."""
         tracker = live.tracker
         cached = None
         if live.first_token_s is None:
             live.first_token_s = now
-            cached = live.cached_tokens
-            if cached is None:
-                st = self.scheduler.state(rid)
-                cached = st.cached_tokens if st is not None else 0
+            cached = self._cached_tokens(rid, live)
         live.token_times.append(now)
         n_top = tracker.params.logprobs
         top = dict(list(s.top.items())[:n_top]) if n_top else None  # best first
