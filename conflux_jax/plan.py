@@ -304,3 +304,17 @@ class LaunchingExecutor(Executor, Protocol):
         """Start ``plan`` (as ``execute`` runs it) without waiting for its result. Raises
         as ``execute`` for failures found before the device has it."""
         ...
+
+
+
+class BuildingExecutor(LaunchingExecutor, Protocol):
+    """A launching executor that can also make a plan's step ahead, before the previous
+    plan's tokens are known (the engine's planning ahead, part of async scheduling)."""
+
+    def build(self, plan: IterationPlan, tokens: Callable[[], Sequence[int]]) -> None:
+        """Make ``plan``'s step (its fixed-shape inputs) now, while the device still runs
+        the previous plan, whose samples the decode slots of ``plan`` take: the next
+        ``launch(plan)`` feeds them ``tokens()`` (one per slot, ``plan.decode`` order)
+        and starts it. Only for plans that need no ``Preparer`` and carry no penalty
+        histories. Raises as ``launch``."""
+        ...

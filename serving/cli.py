@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan and start the next iteration before turning the last one's "
                         "tokens into outputs, which the host then builds while the device "
                         "runs (default on; --no-async-scheduling: one iteration at a time)")
+    p.add_argument("--plan-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="with async scheduling, also plan the iteration after the running "
+                        "one and build its inputs while the device runs (default on; "
+                        "--no-plan-ahead: plan once the running one's tokens are in)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None,
@@ -227,7 +231,8 @@ def build_engine(args: argparse.Namespace) -> Any:
                                profile=args.model, overdue_grace_s=args.overdue_grace,
                                recalibrate=args.recalibrate,
                                enable_prefix_caching=args.enable_prefix_caching,
-                               async_scheduling=args.async_scheduling))
+                               async_scheduling=args.async_scheduling,
+                               plan_ahead=args.plan_ahead))
 
 
 def follow(args: argparse.Namespace) -> int:

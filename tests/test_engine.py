@@ -333,13 +333,27 @@ def test_async_scheduling_gives_the_outputs_of_one_iteration_at_a_time():
         assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
 
-def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypatch):
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypatch,
+                                                                       plan_ahead):
     """Detokenizing and stop checks happen with the next iteration already started; a
-    request ended by a stop token gets no further row, one ended by a stop string at most
-    one (its token dropped), and nothing outlives the last request."""
+    request ended by a stop token gets no further row (planning ahead: at most one), one
+    ended by a stop string at most one (its token dropped), and nothing outlives the last
+    request. Planning ahead, every iteration after the first is built before the last
+    one's tokens are in."""
     from conflux_jax.outputs import OutputTracker
 
-    engine = make_engine()
+    engine = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
+                    EngineConfig(executor=make_engine().config.executor,
+                                 plan_ahead=plan_ahead))
+    built = []
+    real_build = engine.executor.build
+
+    def build(plan, tokens):
+        built.append(plan)
+        return real_build(plan, tokens)
+
+    engine.executor.build = build
     running = []
     real_append = OutputTracker.append
 
@@ -367,8 +381,11 @@ def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypat
     rows = {rid: sum(rid in p.sampling_ids for p in plans) for rid in (by_token, by_string)}
     tokens = {rid: sum(len(o.new_token_ids) for o in outs if o.request_id == rid)
               for rid in (by_token, by_string)}
-    assert rows[by_token] == tokens[by_token] == full.index(full[2]) + 1
+    assert tokens[by_token] == full.index(full[2]) + 1
+    assert tokens[by_token] <= rows[by_token] <= tokens[by_token] + plan_ahead
     assert tokens[by_string] <= rows[by_string] <= tokens[by_string] + 1
+    started_built = [p for p in plans if any(p is b for b in built)]
+    assert len(started_built) == (len(plans) - 1 if plan_ahead else 0)
     assert sum(running) >= len(running) - 2  # all but the last iteration's outputs
     bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))

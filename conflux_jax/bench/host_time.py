@@ -11,9 +11,10 @@ figures, measured in turn in one process:
   one captured iteration's inputs already on the devices, median.
 
 Their difference is host time per iteration; printed with its share of the iteration.
-Both engine loops are measured in turn (``--modes``): with async scheduling (the
-default: the last iteration's outputs are built while the device runs the next) and one
-iteration at a time.
+Three engine loops are measured in turn (``--modes``): async scheduling planning ahead
+(the default: the last iteration's outputs, and the plan and host batch of the one after
+the next, are built while the device runs the next), async scheduling that plans once the
+tokens are in, and one iteration at a time.
 The model is tiny on purpose: what is measured is the host work that grows with the
 number of requests and their contexts, which a large model on an accelerator pays alike.
 """
@@ -53,8 +54,12 @@ MODEL = ModelConfig(
     max_position_embeddings=4096, tie_word_embeddings=False, eos_token_ids=(2,))
 
 
+# The engine loops ``--modes`` names: (async scheduling, planning ahead).
+MODES = {"ahead": (True, True), "async": (True, False), "sync": (False, False)}
+
+
 def build_engine(decodes: int, mesh: str, max_model_len: int,
-                 async_scheduling: bool = True) -> Engine:
+                 async_scheduling: bool = True, plan_ahead: bool = True) -> Engine:
     n = MeshSpec.parse(mesh).sp
     per_rank = -(-decodes // n)
     pages = per_rank * (-(-max_model_len // 16)) + 64
@@ -64,7 +69,7 @@ def build_engine(decodes: int, mesh: str, max_model_len: int,
                                              max_prefill_seqs=8))
     engine = Engine(MODEL, random_params(MODEL, seed=0), Tokenizer.word_level(MODEL.vocab_size),
                     EngineConfig(executor=ec, calibrate=False, enable_prefix_caching=False,
-                                 async_scheduling=async_scheduling))
+                                 async_scheduling=async_scheduling, plan_ahead=plan_ahead))
     engine.warmup(progress=False)
     engine.executor.guard.serving = True
     return engine
@@ -115,12 +120,13 @@ def device_times(engine: Engine, shape: Any, host: Any, repeats: int) -> list[fl
 
 
 def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
-            max_model_len: int = 1024, seed: int = 0, async_scheduling: bool = True,
+            max_model_len: int = 1024, seed: int = 0, mode: str = "ahead",
             rounds: int = 3) -> dict[str, Any]:
-    """The figures of one engine loop. The engine's iterations and the device's replays
-    alternate in ``rounds`` blocks (``steps`` of each in all), so that a slow spell of
-    a shared host weighs on both; each figure is the median over its blocks."""
-    engine = build_engine(decodes, mesh, max_model_len, async_scheduling)
+    """The figures of one engine loop (``mode``, one of ``MODES``). The engine's
+    iterations and the device's replays alternate in ``rounds`` blocks (``steps`` of each
+    in all), so that a slow spell of a shared host weighs on both; each figure is the
+    median over its blocks."""
+    engine = build_engine(decodes, mesh, max_model_len, *MODES[mode])
     rng = np.random.default_rng(seed)
     sp = SamplingParams(max_tokens=max_model_len - 700, temperature=0, ignore_eos=True)
     for _ in range(decodes):
@@ -149,7 +155,7 @@ def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
     step_s, device_s = statistics.median(times), statistics.median(device)
     host_s = max(0.0, step_s - device_s)
     return {"decodes": decodes, "mesh": mesh, "steps": len(times), "shape": str(shape),
-            "async_scheduling": async_scheduling,
+            "mode": mode, "async_scheduling": MODES[mode][0], "plan_ahead": MODES[mode][1],
             "step_ms": 1e3 * step_s, "device_ms": 1e3 * device_s, "host_ms": 1e3 * host_s,
             "host_share": host_s / step_s}
 
@@ -161,14 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decodes", type=int, default=256, help="resident decodes")
     ap.add_argument("--mesh", default="sp=4,tp=1", help="simulated CPU mesh")
     ap.add_argument("--steps", type=int, default=30, help="timed iterations")
-    ap.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"],
-                    help="engine loops to measure, in turn: async scheduling, one "
-                         "iteration at a time")
+    ap.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
+                    help="engine loops to measure, in turn: async scheduling planning "
+                         "ahead (the default), async scheduling planning once the tokens "
+                         "are in, one iteration at a time")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     results = []
     for mode in args.modes:
-        r = measure(args.decodes, args.mesh, args.steps, async_scheduling=mode == "async")
+        r = measure(args.decodes, args.mesh, args.steps, mode=mode)
         results.append(r)
         print(f"{r['decodes']} resident decodes on {r['mesh']}, {mode}: iteration "
               f"{r['step_ms']:.2f} ms, device {r['device_ms']:.2f} ms, host "

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import cast
 
 from conflux_jax.plan import (
+    BuildingExecutor,
     Executor,
     ExecutorLost,
     IterationPlan,
@@ -34,9 +35,17 @@ class StepFailed(RuntimeError):
     """The executor raised on a plan; the plan's requests are named so that the caller
     can fail them (a failing step fails its requests, not the engine)."""
 
-    def __init__(self, plan: IterationPlan, cause: BaseException) -> None:
-        super().__init__(f"step failed ({len(plan.request_ids)} requests): {cause!r}")
+    def __init__(self, plan: IterationPlan, cause: BaseException,
+                 ahead: IterationPlan | None = None) -> None:
         self.plan = plan
+        self.ahead = ahead  # a plan made ahead that fails with it (it was never launched)
+        super().__init__(f"step failed ({len(self.request_ids)} requests): {cause!r}")
+
+    @property
+    def request_ids(self) -> list[int]:
+        """Every request to fail: the plan's, and those of the plan made ahead."""
+        ids = self.plan.request_ids
+        return ids if self.ahead is None else list(dict.fromkeys(ids + self.ahead.request_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +60,13 @@ class Done:
 
 @dataclasses.dataclass(frozen=True)
 class InFlight:
-    """A planned iteration set running; :meth:`EngineCore.finish` waits and commits it."""
+    """A planned iteration set running; :meth:`EngineCore.finish` waits and commits it.
+    ``finished``: set once :meth:`EngineCore.advance` applied its progress (the requests
+    its length limits end); its tokens are then all that is left to commit."""
 
     plan: IterationPlan
     running: RunningStep
+    finished: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +115,15 @@ class EngineCore:
         flight = self.start(prepare, wait=True)
         return None if flight is None else self.finish(flight, observe)
 
-    def start(self, prepare: Preparer | None = None, wait: bool = False) -> InFlight | None:
+    def start(self, prepare: Preparer | None = None, wait: bool = False,
+              planned: IterationPlan | None = None) -> InFlight | None:
         """Plan one iteration and set it running on the executor (``launch``: the call
         returns while the device computes; with ``wait``, ``execute``: it returns done).
         None when nothing could be scheduled. Nothing else may be scheduled until
-        :meth:`finish` commits it. Raises as :meth:`step`."""
+        :meth:`finish` commits it. ``planned``: the iteration :meth:`plan_ahead` made,
+        started now. Raises as :meth:`step`."""
         sched = self.scheduler
-        plan = sched.schedule(self.executor.now())
+        plan = sched.schedule(self.executor.now()) if planned is None else planned
         if plan.empty:
             sched.commit(plan, None)
             return None
@@ -121,22 +135,74 @@ class EngineCore:
             return InFlight(plan, Done(ex.execute(plan) if prepare is None else
                                        ex.execute(plan, prepare)))
 
-    def finish(self, flight: InFlight, observe: Observer | None = None) -> Iteration:
+    def finish(self, flight: InFlight, observe: Observer | None = None,
+               ahead: IterationPlan | None = None) -> Iteration:
         """Wait for a started iteration, show it to ``observe`` and commit it. Raises as
-        :meth:`step`."""
+        :meth:`step`.
+
+        For an advanced iteration only its tokens are left to record. ``ahead``: the
+        iteration planned after it; should this one fail, that one is committed as not
+        run and its requests fail too (:attr:`StepFailed.ahead`): its rows would be fed
+        tokens that never came.
+        """
         sched, plan = self.scheduler, flight.plan
-        with self._failing(plan):
-            result = flight.running.result()
+        if flight.finished is None:
+            with self._failing(plan):
+                result = flight.running.result()
+        else:
+            try:
+                result = flight.running.result()
+            except Exception as exc:
+                if ahead is not None:
+                    sched.advance(ahead, ran=False)
+                if isinstance(exc, ExecutorLost):
+                    raise
+                if isinstance(exc, KVLost):
+                    sched.recompute_all()
+                raise StepFailed(plan, exc, ahead) from exc
         if observe is not None:
             try:
                 observe(plan, result)
             except Exception as exc:
                 # The step ran and its KV is written: commit it as run, then fail its
                 # requests. Left uncommitted, every later schedule() would refuse to plan.
-                sched.commit(plan, result)
+                self._commit(flight, result)
                 raise StepFailed(plan, exc) from exc
-        finished = sched.commit(plan, result)
-        return Iteration(plan, result, tuple(finished))
+        return Iteration(plan, result, self._commit(flight, result))
+
+    def _commit(self, flight: InFlight, result: StepResult) -> tuple[int, ...]:
+        if flight.finished is None:
+            return tuple(self.scheduler.commit(flight.plan, result))
+        self.scheduler.record(flight.plan, result)
+        return flight.finished
+
+    # ---- planning ahead: the next iteration made while the device runs this one ------
+    def advance(self, flight: InFlight) -> InFlight:
+        """Apply a running iteration's progress now, before its tokens are known, so
+        that the next can be planned (:meth:`plan_ahead`); :meth:`finish` then records
+        its tokens."""
+        if flight.finished is not None:
+            raise RuntimeError("this iteration was advanced already")
+        return dataclasses.replace(
+            flight, finished=tuple(self.scheduler.advance(flight.plan)))
+
+    def plan_ahead(self) -> IterationPlan | None:
+        """Plan the next iteration (the running one advanced) and have the executor build
+        its step now, while the device computes; :meth:`start` it once the running one is
+        finished. None when nothing could be scheduled. Raises as :meth:`step`."""
+        sched = self.scheduler
+        plan = sched.schedule(self.executor.now())
+        if plan.empty:
+            sched.commit(plan, None)
+            return None
+        with self._failing(plan):
+            # Its decode slots take the running iteration's samples, recorded by then.
+            cast(BuildingExecutor, self.executor).build(plan, lambda: sched.last_tokens(plan))
+        return plan
+
+    def discard(self, planned: IterationPlan) -> None:
+        """Drop a planned-ahead iteration unstarted (every request in it has ended)."""
+        self.scheduler.advance(planned, ran=False)
 
     @contextlib.contextmanager
     def _failing(self, plan: IterationPlan) -> Iterator[None]:

@@ -98,6 +98,12 @@ class EngineConfig:
     # set running before the last one's tokens become outputs, which the host builds
     # while the device computes. False = one iteration at a time.
     async_scheduling: bool = True
+    # With async scheduling, the iteration after the running one is also planned and
+    # its host batch built while the device computes; only the running one's tokens are
+    # fed in at its launch. Steps with grammar masks or penalties are planned when the
+    # tokens are in (their masks and histories follow them). False = plan once the
+    # tokens are in, always.
+    plan_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -173,6 +179,7 @@ class Engine:
         self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         self._failed_now: list[StepOutput] = []  # failed while preparing this step's plan
         self._flight: InFlight | None = None  # the iteration running (async scheduling)
+        self._ahead: IterationPlan | None = None  # the one after it, planned and built
         self._lost: ExecutorLost | None = None  # raised by the next step()
         self._next_id = 0
         self._rng = random.Random()
@@ -361,9 +368,15 @@ class Engine:
         one running, and then turns the finished iteration's tokens into outputs
         (detokenize, stop strings, streaming deltas) while the device computes the next:
         the outputs returned are those of the iteration that finished in this call. A
-        request that a stop token, its length or its grammar ends gets no further row; one
-        that a stop string ends has one more row in the iteration already running, whose
-        token is dropped (vLLM's async scheduling does the same).
+        request that its length ends gets no further row; one that a stop token or a
+        stop string ends has one more row in the iteration already running or planned,
+        whose token is dropped (vLLM's async scheduling does the same).
+
+        With ``plan_ahead`` (the default) the call then also plans the iteration after
+        the one it started and builds its host batch, still while the device computes,
+        so that the next call only feeds it the tokens it waited for and starts it.
+        Grammar-constrained and penalized requests keep their iterations planned after
+        their tokens are in (no extra row for a grammar's end, masks from the last token).
         """
         if not self.config.async_scheduling:
             outputs: list[StepOutput] = []
@@ -377,15 +390,22 @@ class Engine:
             raise lost
         outputs = []
         flight, self._flight = self._flight, None
+        ahead, self._ahead = self._ahead, None
         done = None
         if flight is not None:
             try:
-                done = self.core.finish(flight, self._observer(outputs, "early"))
+                done = self.core.finish(flight, self._observer(outputs, "early"), ahead)
             except StepFailed as failed:
                 outputs += self._failed_step(failed)
+                if failed.ahead is not None:  # committed as not run with it
+                    ahead = None
+        if ahead is not None and not self._live:
+            self.core.discard(ahead)  # every request in it has ended
+            ahead = None
         if self._live:
             try:
-                self._flight = self.core.start(self._preparer())
+                self._flight = self.core.start(None if ahead else self._preparer(),
+                                               planned=ahead)
             except StepFailed as failed:
                 outputs += self._failed_step(failed)
             except ExecutorLost as exc:
@@ -404,16 +424,29 @@ class Engine:
         outputs = self._settle(outputs)
         if not self._live:
             self._drain()
+        elif self._flight is not None and self._plans_ahead():
+            # After the outputs: requests that a stop string ended are out of the plan.
+            self._flight = self.core.advance(self._flight)
+            try:
+                self._ahead = self.core.plan_ahead()
+            except StepFailed as failed:
+                outputs += self._settle(self._failed_step(failed))
         return outputs
+
+    def _plans_ahead(self) -> bool:
+        """Can the next iteration be planned before the running one's tokens are in? Not
+        when a request needs its last token for its mask or its penalties."""
+        return self.config.plan_ahead and self.executor.builds_ahead and \
+            self._preparer() is None and not self.scheduler.has_histories
 
     def _preparer(self) -> Preparer | None:
         masked = self._matchers or self._fixed_masks or self._min_tokens
         return self._prepare if masked else None
 
     def _failed_step(self, failed: StepFailed) -> list[StepOutput]:
-        log.error("step failed; failing its %d requests", len(failed.plan.request_ids),
-                  exc_info=failed.__cause__)
-        return self._fail(list(failed.plan.request_ids))
+        ids = failed.request_ids
+        log.error("step failed; failing its %d requests", len(ids), exc_info=failed.__cause__)
+        return self._fail(ids)
 
     def _settle(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Forget the requests ``outputs`` finish; first come those that failed while
@@ -429,12 +462,16 @@ class Engine:
         """Commit the iteration still running once no request is left to use it (its rows
         are of requests that ended meanwhile), so that none outlives the last request."""
         flight, self._flight = self._flight, None
+        ahead, self._ahead = self._ahead, None
         if flight is None:
             return
         try:
-            self.core.finish(flight)
+            self.core.finish(flight, None, ahead)
         except StepFailed as failed:  # no live request was in it: nothing to fail
             log.warning("a step of ended requests failed: %s", failed.__cause__)
+            ahead = None if failed.ahead is not None else ahead
+        if ahead is not None:
+            self.core.discard(ahead)
 
     def _observer(self, outputs: list[StepOutput],
                   part: Literal["all", "early", "late"] = "all") -> Observer:

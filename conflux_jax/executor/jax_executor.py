@@ -18,7 +18,7 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +33,7 @@ from conflux_jax.executor.batch import (
     BatchLayout,
     Packed,
     PackedSample,
+    RankInputs,
     SampledRows,
     SampleRows,
     StepBatch,
@@ -178,6 +179,34 @@ class DeviceInputs(NamedTuple):
     sample: Any
 
 
+class _PackedInputs(NamedTuple):
+    """One step's inputs packed on the host, not yet on the mesh (see ``_pack``)."""
+
+    forward: tuple[Packed, Packed]  # the forward's ``rank`` (per rank) and ``shared``
+    sample: PackedSample  # the sampler's rows; fields already on the devices as they are
+    on_host: dict[str, np.ndarray]  # the sampler's fields still to send
+
+
+# A decode slot's token is fed at column ``index`` of the forward's packed per-rank buffer:
+# ``RankInputs.tokens`` (i32[N, T]) is its first leaf.
+assert dataclasses.fields(RankInputs)[0].name == "tokens"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltStep:
+    """A plan's step made on the host ahead of its launch (``JaxExecutor.build``), its
+    decode slots' tokens still to be fed (by ``JaxExecutor.launch``)."""
+
+    plan: IterationPlan
+    shape: StepShape
+    host: StepBatch
+    rows: dict[int, tuple[int, int]]  # request -> (rank, sampling row)
+    packed: _PackedInputs
+    token_rank: np.ndarray  # i32[slots]: each decode slot's rank, ``plan.decode`` order
+    token_index: np.ndarray  # i32[slots]: and where its token sits in the rank's buffer
+    tokens: Callable[[], Sequence[int]]  # the slots' tokens, once the previous step's are in
+
+
 class _Dispatched(NamedTuple):
     """A step whose forward and sampler are dispatched; the pools it was given, to tell
     after a failure whether they went with it."""
@@ -316,6 +345,7 @@ class JaxExecutor:
         # over a new list (it keeps one per request until a page is added): request ->
         # (pages tuple, i32[pages]).
         self._page_arrays: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+        self._built: BuiltStep | None = None  # a plan made ahead, launched next
         self._compiled: dict[StepShape, Any] = {}  # the forward per step shape
         self._samplers: dict[int, Any] = {}  # the sampler per sampling-row count R
         if measure_linears:
@@ -337,6 +367,12 @@ class JaxExecutor:
         if self.process_count == 1:
             return jax.device_put(tree, shardings)
         return put_global(tree, shardings)
+
+    @property
+    def builds_ahead(self) -> bool:
+        """Can :meth:`build` make steps ahead? In a single process: the other processes
+        of an instance take each step whole, in its message."""
+        return self.channel is None
 
     @property
     def is_leader(self) -> bool:
@@ -539,8 +575,13 @@ class JaxExecutor:
     def device_inputs(self, host: StepBatch) -> DeviceInputs:
         """A host batch on the mesh, as the compiled forward and sampler take it: the
         forward's and the sampler's buffers in one batched transfer."""
-        forward = pack_forward(host)
-        sample, on_host = self._pack_sample(host.sample)
+        return self._put_packed(self._pack(host))
+
+    def _pack(self, host: StepBatch) -> _PackedInputs:
+        return _PackedInputs(pack_forward(host), *self._pack_sample(host.sample))
+
+    def _put_packed(self, packed: _PackedInputs) -> DeviceInputs:
+        forward, sample, on_host = packed
         forward, on_host = self._put((forward, on_host), (self._packed_shardings(forward),
                                                           self._packed_shardings(on_host)))
         return DeviceInputs(forward, sample._replace(**on_host))
@@ -634,6 +675,9 @@ class JaxExecutor:
         if not self.is_leader:
             raise RuntimeError("only process 0 executes plans; the others follow()")
         start = time.perf_counter()
+        built, self._built = self._built, None
+        if built is not None and built.plan is plan and prepare is None:
+            return self._launch_built(built, start)
         if prepare is not None and self.channel is not None:
             plan, prepare = prepare(plan), None
         shape, host, rows = self.build_batch(plan)
@@ -660,22 +704,54 @@ class JaxExecutor:
         self.channel.done(seq)
         return LaunchedStep(self, rows, start, lambda: ran)
 
+    def build(self, plan: IterationPlan, tokens: Callable[[], Sequence[int]]) -> None:
+        """Make ``plan``'s step on the host, inputs packed, while the device still runs the
+        previous one (the engine plans ahead). Its decode slots' tokens are what that one
+        samples: the next :meth:`launch` of ``plan`` feeds them ``tokens()`` (one per
+        slot, in ``plan.decode`` order) and starts it. For plans that need no
+        ``Preparer`` and carry no penalty histories, in a single process."""
+        if not self.builds_ahead or plan.histories or plan.token_masks:
+            raise ValueError("only a single process builds plans ahead, and only plans "
+                             "without penalty histories or token masks")
+        self._built = None
+        shape, host, rows = self.build_batch(plan)
+        if shape not in self._compiled and self.guard.serving:
+            raise RuntimeError(f"step shape {shape} was not compiled at warm-up")
+        at = np.array([rows[d.request_id] for d in plan.decode], np.int32).reshape(-1, 2)
+        rank = at[:, 0]
+        self._built = BuiltStep(plan, shape, host, rows, self._pack(host), rank,
+                                host.rank.sample_index[rank, at[:, 1]], tokens)
+
+    def _launch_built(self, built: BuiltStep, start: float) -> LaunchedStep:
+        """Start a step made by :meth:`build`, its decode slots fed their tokens."""
+        tokens = built.tokens()
+        if len(tokens) != len(built.token_rank):
+            raise ValueError(f"{len(tokens)} tokens for {len(built.token_rank)} decode slots")
+        at = built.token_rank, built.token_index
+        built.host.rank.tokens[at] = tokens
+        built.packed.forward[0].buf[at] = tokens  # the packed copy that is sent
+        self.last_transfer_bytes = self.transfer_bytes(built.host)
+        dispatched = self._dispatch(built.shape, built.host, packed=built.packed)
+        return LaunchedStep(self, built.rows, start, lambda: self._collect(dispatched))
+
     def _run(self, shape: StepShape, host: StepBatch) -> tuple[Any, Any]:
         """Run the step of ``shape`` on ``host`` to the end; see :meth:`_collect`."""
         return self._collect(self._dispatch(shape, host))
 
     def _dispatch(self, shape: StepShape, host: StepBatch,
-                  complete: Callable[[], SampleRows] | None = None) -> _Dispatched:
-        """Dispatch the forward of ``shape`` on ``host``, then the sampler on
-        ``host.sample`` or, when given, on what ``complete()`` returns (host work that
-        overlaps the forward). Returns before the device has finished either."""
+                  complete: Callable[[], SampleRows] | None = None,
+                  packed: _PackedInputs | None = None) -> _Dispatched:
+        """Dispatch the forward of ``shape`` on ``host`` (``packed``: already packed),
+        then the sampler on ``host.sample`` or, when given, on what ``complete()`` returns
+        (host work that overlaps the forward). Returns before the device has finished
+        either."""
         forward, sampler = self.compiled_step(shape)
         k_pool, v_pool = self.k_pool, self.v_pool
         out = None
         with self.guard.watch():
             try:
                 if complete is None:  # the sampler's rows are known: one transfer
-                    inputs = self.device_inputs(host)
+                    inputs = self._put_packed(self._pack(host) if packed is None else packed)
                     out = forward(self.params, k_pool, v_pool, *inputs.forward)
                     sample = inputs.sample
                 else:

@@ -190,6 +190,11 @@ class Scheduler:
     def state(self, request_id: int) -> RequestState | None:
         return self._states.get(request_id)
 
+    @property
+    def has_histories(self) -> bool:
+        """Do plans carry penalty histories (a live request is penalized)?"""
+        return bool(self._penalized)
+
     def decode_ranks(self) -> dict[int, int]:
         return {rid: st.rank for rid, st in self._decodes.items()}
 
@@ -281,11 +286,40 @@ class Scheduler:
                 if (st := self._states[rid]) is not None}
 
     def commit(self, plan: IterationPlan, result: StepResult | None = None) -> list[int]:
-        """Apply an executed plan; returns the ids of requests that finished."""
+        """Apply an executed plan (``result``; None: it did not run); returns the ids of
+        requests that finished. The same as :meth:`record` then :meth:`advance`."""
+        if result is not None:
+            self.record(plan, result)
+        return self.advance(plan, ran=result is not None)
+
+    def record(self, plan: IterationPlan, result: StepResult) -> None:
+        """Append the tokens ``plan`` sampled to their requests' outputs.
+
+        Separate from :meth:`advance` so that the next plan can be made before this one's
+        tokens are known (the engine plans ahead while the device runs): nothing in
+        :meth:`schedule` but a decode slot's ``token_id`` and penalty histories reads the
+        newest token, and a request preempted meanwhile is not prefilled again in the
+        same schedule() call, so its recompute reads the token recorded by then.
+        """
+        sampled, states = result.sampled, self._states
+        for rid in plan.sampling_ids:
+            st = states.get(rid)
+            if st is not None:
+                st.output_ids.append(sampled[rid].token)
+
+    def last_tokens(self, plan: IterationPlan) -> list[int]:
+        """Each decode slot's newest recorded token, in ``plan.decode`` order (the slots of
+        a plan made ahead carry stale ones)."""
+        states = self._states
+        return [states[d.request_id].output_ids[-1] for d in plan.decode]
+
+    def advance(self, plan: IterationPlan, ran: bool = True) -> list[int]:
+        """Apply a plan's progress (prefill chunks, completions into decode, KV growth,
+        prefix-cache pages, length limits), which needs none of its sampled tokens;
+        ``ran``: False when it did not run. Returns the ids of requests that finished."""
         self._inflight = False
         finished: list[int] = []
         bm = self.blocks
-        sampled = None if result is None else result.sampled
         states = self._states
         completed: list[tuple[RequestState, int]] = []
         for p in plan.prefill:
@@ -304,7 +338,7 @@ class Scheduler:
         for st, rank in completed:
             rid = st.id
             bm.release_prefill(rid)
-            if self._caching and result is not None:  # only KV that was written
+            if self._caching and ran:  # only KV that was written
                 bm.register(rid, self._hashes(st, st.prefilled))
             self._unclaim(st)
             del self._pending[rid]
@@ -317,13 +351,11 @@ class Scheduler:
             self._n_d[rank] += 1
             self._ctx[rank] += st.kv_len
             st.generated += 1
-            if sampled is not None:
-                st.output_ids.append(sampled[rid].token)
             if st.generated >= st.req.max_new_tokens:
                 finished.append(rid)
         ctx = self._ctx
         decodes = self._decodes
-        ps = bm.page_size if self._caching and result is not None else 0
+        ps = bm.page_size if self._caching and ran else 0
         for d in plan.decode:
             st = decodes.get(d.request_id)
             if st is None:
@@ -333,8 +365,6 @@ class Scheduler:
                 bm.register(d.request_id, self._hashes(st, st.kv_len))
             ctx[d.rank] += 1
             st.generated += 1
-            if sampled is not None:
-                st.output_ids.append(sampled[d.request_id].token)
             if st.generated >= st.req.max_new_tokens:
                 finished.append(d.request_id)
         for rid in finished:

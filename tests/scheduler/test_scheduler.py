@@ -6,7 +6,7 @@ import pytest
 
 from conflux_jax.latency import BatchShape
 from conflux_jax.latency.roofline import roofline_model
-from conflux_jax.plan import KVSpec
+from conflux_jax.plan import KVSpec, SampledToken, StepResult
 from conflux_jax.scheduler.block_manager import BlockManager
 from conflux_jax.scheduler.config import SchedulerConfig
 from conflux_jax.scheduler.request import Request
@@ -350,3 +350,55 @@ def test_prefill_never_starves_behind_decodes_that_fill_the_budget(floor: int) -
         assert [d.request_id for d in it.plan.decode] == [0]  # stall-free
         prefilled.append(sum(p.length for p in it.plan.prefill))
     assert prefilled == [floor] * 4
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_planning_ahead_feeds_every_row_the_tokens_it_would_have_had(caching: bool) -> None:
+    """The engine's planning ahead: each plan is made after the previous one advanced
+    but before its tokens are recorded. With a pool small enough to preempt, every
+    decode slot's fed token (``last_tokens`` after the record) and every prefill piece's
+    token ids (recompute prefills cover outputs) match a brute-force record of each
+    request's prompt and outputs, and the run ends with every page free."""
+    n, num_pages = 2, 24
+    cfg = SchedulerConfig(tbt_slo_s=TBT, ttft_slo_s=TTFT, quantum=16,
+                          max_tokens_per_rank=256, headroom_pages=1, token_budget=256,
+                          enable_prefix_caching=caching)
+    sched = Scheduler(cfg, roofline_model("qwen3-14b", "h100", sp=n),
+                      BlockManager(n, num_pages, 16))
+    rng = random.Random(7)
+    truth: dict[int, list[int]] = {}  # request -> prompt + outputs sampled so far
+    for i in range(12):
+        prompt = tuple(rng.randrange(1000) for _ in range(rng.randint(20, 120)))
+        truth[i] = list(prompt)
+        assert sched.add(Request(i, 0.01 * i, len(prompt), rng.randint(20, 60),
+                                 prompt_token_ids=prompt))
+
+    def run(plan, sampled):  # the "device": check what the plan feeds, then sample
+        for d, fed in zip(plan.decode, sched.last_tokens(plan), strict=True):
+            assert fed == truth[d.request_id][-1]
+        for p in plan.prefill:
+            assert p.token_ids == tuple(truth[p.request_id][p.start:p.start + p.length])
+        return StepResult({rid: SampledToken(next(sampled)) for rid in plan.sampling_ids},
+                          0.0, 0.0)
+
+    tokens = iter(range(10_000, 1_000_000))
+    running = sched.schedule(0.0)
+    result = run(running, tokens)
+    now, finished = 0.0, []
+    while True:
+        finished += sched.advance(running)  # the running plan's progress, no tokens yet
+        now += 0.05
+        ahead = sched.schedule(now)  # planned before the running plan's tokens are known
+        sched.record(running, result)
+        for rid in running.sampling_ids:
+            truth[rid].append(result.sampled[rid].token)
+        if ahead.empty:
+            sched.commit(ahead, None)
+            if not sched.has_work:
+                break
+            ahead = sched.schedule(now)
+        running, result = ahead, run(ahead, tokens)
+    assert sorted(finished) == list(range(12))
+    assert sched.num_preemptions > 0
+    bm = sched.blocks
+    assert all(bm.free_pages(r) == num_pages for r in range(n))
