@@ -1,0 +1,51 @@
+"""A decode-only step with the same decodes as the last one updates the last host batch
+in place (``JaxExecutor.build_batch``); oracle: the batch built from nothing for the same
+plan, array for array, over a serving run whose decodes gain pages and end."""
+
+import jax
+import numpy as np
+import pytest
+from tiny_models import TINY_LLAMA
+
+from conflux_jax.engine import Engine, EngineConfig
+from conflux_jax.executor.buckets import BucketConfig
+from conflux_jax.executor.jax_executor import ExecutorConfig
+from conflux_jax.models.decoder import random_params
+from conflux_jax.sampling import SamplingParams
+from conflux_jax.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
+
+
+def test_a_batch_updated_in_place_equals_one_built_from_nothing():
+    ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=96, max_model_len=128,
+                        buckets=BucketConfig(tokens=(8, 32), decode=(8,), max_prefill_seqs=4))
+    engine = Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
+                    Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+    ex = engine.executor
+    real = ex.build_batch
+    counts = {"in_place": 0, "checked": 0}
+    last: list = [None]
+
+    def checked(plan):
+        shape, batch, rows = real(plan)
+        got = jax.tree.map(np.copy, batch)
+        counts["in_place"] += batch is last[0]
+        last[0] = batch
+        kept, ex._steady = ex._steady, None  # the same plan, from nothing
+        want_shape, want, want_rows = real(plan)
+        ex._steady = kept
+        assert (shape, rows) == (want_shape, want_rows)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            if isinstance(y, np.ndarray):  # the device-resident padding is shared
+                np.testing.assert_array_equal(x, y)
+        counts["checked"] += 1
+        return shape, batch, rows
+
+    ex.build_batch = checked
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, TINY_LLAMA.vocab_size, int(n)).tolist()
+               for n in rng.integers(3, 20, 6)]
+    engine.generate(prompts, [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
+                              for m in rng.integers(6, 30, 6)])
+    assert counts["in_place"] > 10 and counts["checked"] > counts["in_place"]
