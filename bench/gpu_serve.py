@@ -136,7 +136,7 @@ def serve_bench(args: argparse.Namespace, report: Any) -> dict[str, Any]:
     import jax
 
     from conflux_jax import SamplingParams
-    from conflux_jax.bench.host_time import captured_batches, device_seconds
+    from conflux_jax.bench.replay import captured_batches, device_seconds
     from conflux_jax.config import ModelConfig, RopeScaling
     from conflux_jax.engine import Engine, EngineConfig
     from conflux_jax.engine.calibration import Budget

@@ -55,11 +55,17 @@ def main() -> None:
     JaxExecutor.compiled_step = compiled_step
     JaxExecutor.device_inputs = device_inputs
 
-    # Today's benchmark file, run against the old package.
-    spec = importlib.util.spec_from_file_location(
-        "host_time_now", HERE / "conflux_jax" / "bench" / "host_time.py")
-    ht = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ht)  # type: ignore[union-attr]
+    # Today's benchmark files, run against the old package.
+    def load(name: str, module: str) -> types.ModuleType:
+        spec = importlib.util.spec_from_file_location(
+            module, HERE / "conflux_jax" / "bench" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module] = mod
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        return mod
+
+    load("replay", "conflux_jax.bench.replay")
+    ht = load("host_time", "host_time_now")
     from conflux_jax.engine import Engine, EngineConfig
     from conflux_jax.executor.buckets import BucketConfig
     from conflux_jax.executor.jax_executor import ExecutorConfig

@@ -37,7 +37,7 @@ import jax
 import conflux_jax.executor.step as step_module
 from conflux_jax.bench.compare import make_prompts
 from conflux_jax.bench.dense_bound import dense_seconds
-from conflux_jax.bench.host_time import captured_batches
+from conflux_jax.bench.replay import captured_batches
 from conflux_jax.bench.serve import engine_from_model, run_engine
 from conflux_jax.bench.serve_workload import ServeRequest
 from conflux_jax.checkpoints import load_checkpoint

@@ -27,20 +27,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from conflux_jax.bench.replay import captured_batches, device_times  # noqa: E402
 from conflux_jax.config import ModelConfig  # noqa: E402
 from conflux_jax.engine import Engine, EngineConfig  # noqa: E402
-from conflux_jax.executor.batch import StepBatch  # noqa: E402
 from conflux_jax.executor.buckets import BucketConfig  # noqa: E402
 from conflux_jax.executor.jax_executor import ExecutorConfig  # noqa: E402
 from conflux_jax.executor.mesh import MeshSpec  # noqa: E402
@@ -73,50 +70,6 @@ def build_engine(decodes: int, mesh: str, max_model_len: int,
     engine.warmup(progress=False)
     engine.executor.guard.serving = True
     return engine
-
-
-@contextlib.contextmanager
-def captured_batches(executor: Any, want: Callable[[Any], bool] = lambda plan: True
-                     ) -> Iterator[list[tuple[Any, StepBatch]]]:  # noqa: ANN401
-    """Inside the block, every host batch ``executor`` builds for a plan ``want`` accepts
-    is kept, as (shape, batch), in the list yielded; the executor is unchanged after."""
-    kept: list[tuple[Any, StepBatch]] = []
-    build = executor.build_batch
-
-    def spy(plan: Any) -> Any:  # noqa: ANN401
-        shape, batch, rows = build(plan)
-        if want(plan):
-            kept.append((shape, jax.tree.map(np.copy, batch)))
-        return shape, batch, rows
-
-    executor.build_batch = spy
-    try:
-        yield kept
-    finally:
-        executor.build_batch = build
-
-
-def device_seconds(engine: Engine, shape: Any, host: Any, repeats: int) -> float:  # noqa: ANN401
-    """Median of ``repeats`` back-to-back runs of the compiled forward and sampler of
-    ``shape`` on ``host``'s inputs, put on the devices once."""
-    return statistics.median(device_times(engine, shape, host, repeats))
-
-
-def device_times(engine: Engine, shape: Any, host: Any, repeats: int) -> list[float]:  # noqa: ANN401
-    """``repeats`` back-to-back runs (seconds) of the compiled forward and sampler of
-    ``shape`` on ``host``'s inputs, put on the devices once (after one untimed run)."""
-    ex = engine.executor
-    forward, sampler = ex.compiled_step(shape)
-    inputs = ex.device_inputs(host)
-    times = []
-    for i in range(repeats + 1):  # the first run warms up (and waits out a running step)
-        start = time.perf_counter()
-        out = forward(ex.params, ex.k_pool, ex.v_pool, *inputs.forward)
-        ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
-        jax.device_get(sampler(out.logits, inputs.sample))
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
 
 
 def measure(decodes: int = 256, mesh: str = "sp=4,tp=1", steps: int = 30,
