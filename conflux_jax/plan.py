@@ -306,7 +306,6 @@ class LaunchingExecutor(Executor, Protocol):
         ...
 
 
-
 class BuildingExecutor(LaunchingExecutor, Protocol):
     """A launching executor that can also make a plan's step ahead, before the previous
     plan's tokens are known (the engine's planning ahead, part of async scheduling)."""

@@ -122,10 +122,8 @@ class EngineCore:
         None when nothing could be scheduled. Nothing else may be scheduled until
         :meth:`finish` commits it. ``planned``: the iteration :meth:`plan_ahead` made,
         started now. Raises as :meth:`step`."""
-        sched = self.scheduler
-        plan = sched.schedule(self.executor.now()) if planned is None else planned
-        if plan.empty:
-            sched.commit(plan, None)
+        plan = self._schedule() if planned is None else planned
+        if plan is None:
             return None
         ex = self.executor
         with self._failing(plan):
@@ -145,21 +143,9 @@ class EngineCore:
         run and its requests fail too (:attr:`StepFailed.ahead`): its rows would be fed
         tokens that never came.
         """
-        sched, plan = self.scheduler, flight.plan
-        if flight.finished is None:
-            with self._failing(plan):
-                result = flight.running.result()
-        else:
-            try:
-                result = flight.running.result()
-            except Exception as exc:
-                if ahead is not None:
-                    sched.advance(ahead, ran=False)
-                if isinstance(exc, ExecutorLost):
-                    raise
-                if isinstance(exc, KVLost):
-                    sched.recompute_all()
-                raise StepFailed(plan, exc, ahead) from exc
+        plan = flight.plan
+        with self._failing(plan, ahead, committed=flight.finished is not None):
+            result = flight.running.result()
         if observe is not None:
             try:
                 observe(plan, result)
@@ -190,14 +176,21 @@ class EngineCore:
         """Plan the next iteration (the running one advanced) and have the executor build
         its step now, while the device computes; :meth:`start` it once the running one is
         finished. None when nothing could be scheduled. Raises as :meth:`step`."""
-        sched = self.scheduler
-        plan = sched.schedule(self.executor.now())
-        if plan.empty:
-            sched.commit(plan, None)
+        plan = self._schedule()
+        if plan is None:
             return None
+        sched = self.scheduler
         with self._failing(plan):
             # Its decode slots take the running iteration's samples, recorded by then.
             cast(BuildingExecutor, self.executor).build(plan, lambda: sched.last_tokens(plan))
+        return plan
+
+    def _schedule(self) -> IterationPlan | None:
+        """The next plan, or None (committed at once) when it would run nothing."""
+        plan = self.scheduler.schedule(self.executor.now())
+        if plan.empty:
+            self.scheduler.commit(plan, None)
+            return None
         return plan
 
     def discard(self, planned: IterationPlan) -> None:
@@ -205,16 +198,19 @@ class EngineCore:
         self.scheduler.advance(planned, ran=False)
 
     @contextlib.contextmanager
-    def _failing(self, plan: IterationPlan) -> Iterator[None]:
-        """An executor failure on ``plan``: commit it as not run, then raise (see step)."""
+    def _failing(self, plan: IterationPlan, ahead: IterationPlan | None = None,
+                 committed: bool = False) -> Iterator[None]:
+        """An executor failure on ``plan``: commit it as not run (unless it was advanced
+        already: ``committed``), and ``ahead`` with it, then raise (see step)."""
         sched = self.scheduler
         try:
             yield
-        except ExecutorLost:
-            sched.commit(plan, None)
-            raise
         except Exception as exc:
-            sched.commit(plan, None)
+            for pending in (None if committed else plan, ahead):
+                if pending is not None:
+                    sched.advance(pending, ran=False)
+            if isinstance(exc, ExecutorLost):
+                raise
             if isinstance(exc, KVLost):
                 sched.recompute_all()
-            raise StepFailed(plan, exc) from exc
+            raise StepFailed(plan, exc, ahead) from exc
