@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode attention: rpa (the ragged paged attention kernel) or cpu "
                         "(a C++ handler reading each sequence's KV pages in place; fp32 on "
                         "CPU only); auto = cpu where it runs, else rpa")
+    p.add_argument("--layer-weights", choices=("auto", "stacked", "per_layer"), default="auto",
+                   help="stacked: each weight one [layers, ...] array, the layers in a loop "
+                        "(fast to compile); per_layer: arrays of their own, the layers "
+                        "unrolled, so no matmul reads a copy of its weights (compiles "
+                        "longer); auto = per_layer on a GPU/TPU, stacked on CPU")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="share of each device's memory for weights, the largest step's "
                         "temporaries and the KV cache, as in vLLM (default 0.9 on a "
@@ -217,7 +222,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
                               compile_cache=args.compile_cache,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               linears=args.linears,
-                              decode_attention=args.decode_attention)
+                              decode_attention=args.decode_attention,
+                              layer_weights=args.layer_weights)
     return ckpt, executor
 
 

@@ -63,7 +63,7 @@ from conflux_jax.executor.step import (
 )
 from conflux_jax.latency.roofline import hardware_for_device_kind
 from conflux_jax.models.decoder import BLAS_MAX_ROWS, LINEARS
-from conflux_jax.models.params import Params
+from conflux_jax.models.params import Params, unstack_layers
 from conflux_jax.plan import (
     ExecutorLost,
     IterationPlan,
@@ -113,10 +113,32 @@ class ExecutorConfig:
     # 2.7x faster than the XLA form at 16 decodes of ~150 tokens). "auto" = "cpu" where it
     # runs and the kernel would take its XLA path, else "rpa".
     decode_attention: str = "auto"
+    # How the layer weights are held: "stacked" ([L, ...] arrays, the layers in a scan) or
+    # "per_layer" (arrays of their own, the layers unrolled: no matmul reads a copy of its
+    # weights, for a program L times longer to compile). "auto" = per_layer on a GPU/TPU
+    # (the copies cost an 8B model's decode step ~6 ms on an H200, bench/RESULTS.md),
+    # stacked on the CPU: there the unrolled prefill step ran 3x slower (XLA copies the
+    # KV pool around each layer's attention loop) and compiled 4.6x longer, for a decode
+    # step within the host's noise.
+    layer_weights: str = "auto"
 
 
 LINEAR_CHOICES = ("auto", *LINEARS)
+LAYER_WEIGHTS = ("auto", "stacked", "per_layer")
 DECODE_ATTENTION_CHOICES = ("auto", *DECODE_ATTENTION)
+
+
+def resolve_layer_weights(layer_weights: str, linears: str, platform: str) -> str:
+    """"stacked" or "per_layer" for ``ExecutorConfig.layer_weights`` on ``platform``, given
+    the linears route asked for (``ExecutorConfig.linears``)."""
+    if layer_weights not in LAYER_WEIGHTS:
+        raise ValueError(f"layer_weights must be one of {LAYER_WEIGHTS}, got {layer_weights!r}")
+    if layer_weights == "per_layer" and linears == "blas":
+        raise ValueError("layer_weights='per_layer' cannot run with linears='blas' "
+                         "(OpenBLAS reads the stacked weights in place)")
+    if layer_weights == "auto":
+        return "per_layer" if is_accelerator(platform) else "stacked"
+    return layer_weights
 
 
 def _cpu_fp32_obstacle(platform: str, dtype: Any) -> str:
@@ -294,7 +316,10 @@ class JaxExecutor:
         self.buckets = buckets
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
-        self.linears = resolve_linears(ec.linears, self.platform, self.dtype)
+        self.layer_weights = resolve_layer_weights(ec.layer_weights, ec.linears, self.platform)
+        # Per-layer weights leave OpenBLAS no copy to spare: XLA's dot, unmeasured.
+        self.linears = "xla" if self.layer_weights == "per_layer" else resolve_linears(
+            ec.linears, self.platform, self.dtype)
         self.decode_attention = resolve_decode_attention(
             ec.decode_attention, self.platform, self.dtype, ec.attention_impl)
         if self.decode_attention == "cpu":
@@ -308,6 +333,8 @@ class JaxExecutor:
             # host's cores, or one per process): their timings share the cores, and every
             # process must compile the same program.
             self.linears, measure_linears = "xla", False
+        if self.layer_weights == "per_layer":
+            padded_params = unstack_layers(padded_params)
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
 

@@ -48,7 +48,7 @@ from conflux_jax.executor.batch import (
 )
 from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
-from conflux_jax.models.params import Params
+from conflux_jax.models.params import Params, layers_unstacked
 from conflux_jax.sampling import LogitAdjustments, sample
 from pallas_kernels.cpu_attention import paged_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -95,19 +95,23 @@ def transfer_link_bytes(cfg: StepConfig, groups: int, itemsize: int) -> int:
 
 def param_specs(params: Params) -> Params:
     """Weights replicated over sp; QKV/gate/up column-parallel and O/down row-parallel
-    over tp; embeddings, norms and the LM head replicated."""
+    over tp; embeddings, norms and the LM head replicated. Layer weights stacked or per
+    layer (``models.params.unstack_layers``)."""
     column = {"wq", "wk", "wv", "w_gate", "w_up"}
     row = {"wo", "w_down"}
+    per_layer = layers_unstacked(params)
+    lead = () if per_layer else (None,)  # the stacked layer axis
 
     def spec(name: str) -> P:
         if name in column:
-            return P(None, None, TP)
+            return P(*lead, None, TP)
         if name in row:
-            return P(None, TP, None)
+            return P(*lead, TP, None)
         return P()
 
     out: dict[str, Any] = {k: P() for k in params if k != "layers"}
-    out["layers"] = {k: spec(k) for k in params["layers"]}
+    out["layers"] = (tuple({k: spec(k) for k in w} for w in params["layers"]) if per_layer
+                     else {k: spec(k) for k in params["layers"]})
     return out
 
 

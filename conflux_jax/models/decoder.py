@@ -1,7 +1,8 @@
 """The Flax NNX decoder shared by Llama 3.x, SmolLM2 and Qwen3.
 
 Layer weights are stacked on a leading ``[L]`` axis and run with ``lax.scan`` so compile
-time stays flat in depth.
+time stays flat in depth, or held per layer (``models.params.unstack_layers``) and run
+unrolled, so that no matmul reads a copy of its weights.
 Attention is a callback: the dense reference, the paged Conflux
 step and the baselines all reuse the same layer math and differ only in how they attend
 and where they keep KV. Every method works on a flat token axis ``[..., D]`` and derives
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.models.params import Params, param_shapes, validate_params
+from conflux_jax.models.params import Params, layers_unstacked, param_shapes, validate_params
 from conflux_jax.models.rope import apply_rope, inverse_frequencies
 from pallas_kernels.cpu_gemm import stacked_matmul
 
@@ -58,13 +59,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 class DecoderLayers(nnx.Module):
-    """All transformer blocks, each weight stacked over layers: ``wq`` is f[L, D, Hq*d]."""
+    """Transformer block weights: all blocks stacked over layers (``wq`` f[L, D, Hq*d]), or
+    one block's (``wq`` f[D, Hq*d])."""
 
     def __init__(self, weights: Mapping[str, jax.Array]):
         for name in LAYER_WEIGHTS:
             setattr(self, name, nnx.Param(weights[name]) if name in weights else None)
 
-    def stacked(self) -> dict[str, jax.Array]:
+    def weights(self) -> dict[str, jax.Array]:
         return {n: getattr(self, n)[...] for n in LAYER_WEIGHTS if getattr(self, n) is not None}
 
 
@@ -76,7 +78,9 @@ class Decoder(nnx.Module):
         self.embed = nnx.Param(params["embed"])
         self.final_norm = nnx.Param(params["final_norm"])
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
-        self.layers = DecoderLayers(params["layers"])
+        self.layers: DecoderLayers | nnx.List = (
+            nnx.List([DecoderLayers(w) for w in params["layers"]])
+            if layers_unstacked(params) else DecoderLayers(params["layers"]))
         self.inv_freq = nnx.Variable(jnp.asarray(inverse_frequencies(config)))
 
     # ----------------------------------------------------------------- construction
@@ -113,34 +117,30 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, KV]:
         """All transformer blocks; ``kv`` is carried so pools update in place.
 
-        The layers run under ``lax.scan``. Inside the loop XLA:CPU copies each layer's
+        Stacked weights run under ``lax.scan``. Inside the loop XLA:CPU copies each layer's
         weights out of the stacked arrays before every matmul (a dynamic slice it does not
-        fold into the dot), ~35% of a 16-row decode step of SmolLM2. ``linears="blas"``
-        (fp32 on the CPU) runs the linears of ``BLAS_MIN_ROWS..BLAS_MAX_ROWS`` rows as OpenBLAS
-        calls that read the layer in place instead (``pallas_kernels.cpu_gemm``); it
-        compiles as fast as the plain scan (unrolling the layers, the other way to spare
-        the copy, was slower still and compiled ~5x longer).
+        fold into the dot): ~0.5 ms of a 1.4 ms SmolLM2 layer in a 16-row decode step, on
+        one of the two cores. ``linears="blas"`` (fp32 on the CPU) runs the linears of
+        ``BLAS_MIN_ROWS..BLAS_MAX_ROWS`` rows as OpenBLAS calls that read the layer in place
+        instead (``pallas_kernels.cpu_gemm``). Weights held per layer run unrolled, ``layer``
+        a Python int: every matmul reads its own weight array, at the price of a program L
+        times longer to compile.
         """
         if linears not in LINEARS:
             raise ValueError(f"linears must be one of {LINEARS}, got {linears!r}")
         cfg = self.config
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
+        unrolled = isinstance(self.layers, nnx.List)
+        if unrolled and linears == "blas":
+            raise ValueError("linears='blas' reads stacked layer weights; these are per layer")
 
-        blas = linears == "blas"
-        stacked = self.layers.stacked()
-
-        def block(carry, layer):
+        def block(carry, layer, weight: Callable[[str], jax.Array],
+                  lin: Callable[[jax.Array, str], jax.Array]):
             h, kv = carry
-            # Every weight stays stacked, a loop constant: OpenBLAS reads its layer in place;
-            # the rest take theirs by ``[layer]`` (what scanning the weights would slice).
-            def lin(a: jax.Array, name: str) -> jax.Array:
-                if blas and BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
-                    return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
-                return linear(a, stacked[name][layer])
 
             def norm(a: jax.Array, name: str) -> jax.Array:
-                return rms_norm(a, stacked[name][layer], cfg.rms_norm_eps)
+                return rms_norm(a, weight(name), cfg.rms_norm_eps)
 
             a = norm(h, "attn_norm")
             q = lin(a, "wq").reshape(*a.shape[:-1], -1, head_dim)
@@ -157,10 +157,31 @@ class Decoder(nnx.Module):
             m = norm(h, "mlp_norm")
             ffn = lin(jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up"), "w_down")
             h = h + _all_reduce(ffn, tp_axis)
-            return (h, kv), None
+            return h, kv
+
+        if unrolled:
+            carry = (x, kv)
+            for i, layer_weights in enumerate(self.layers):
+                weights = layer_weights.weights()  # this layer's own arrays
+                carry = block(carry, i, weights.__getitem__,
+                              lambda a, name, w=weights: linear(a, w[name]))
+            return carry
+
+        blas = linears == "blas"
+        stacked = self.layers.weights()
+
+        def scanned(carry, layer):
+            # Every weight stays stacked, a loop constant: OpenBLAS reads its layer in place;
+            # the rest take theirs by ``[layer]`` (what scanning the weights would slice).
+            def lin(a: jax.Array, name: str) -> jax.Array:
+                if blas and BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
+                    return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
+                return linear(a, stacked[name][layer])
+
+            return block(carry, layer, lambda name: stacked[name][layer], lin), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(block, (x, kv), layer_ids)
+        (x, kv), _ = jax.lax.scan(scanned, (x, kv), layer_ids)
         return x, kv
 
     def logits(self, x: jax.Array, tp_axis: str | None = None) -> jax.Array:

@@ -19,6 +19,11 @@ leading ``[L]`` axis so the decoder runs its layers with ``lax.scan``::
       w_gate     f[L, D, F]
       w_up       f[L, D, F]
       w_down     f[L, F, D]
+
+The executor may hold ``layers`` unstacked instead (:func:`unstack_layers`): a tuple of L
+dicts with the same names and no leading axis (``wq`` f[D, Hq*d]). The decoder then runs
+its layers unrolled, each reading its own arrays: inside a scan XLA copies every layer's
+weights out of the stacked arrays before each matmul.
 """
 
 from __future__ import annotations
@@ -85,3 +90,18 @@ def validate_params(config: ModelConfig, params: Mapping[str, Any], source: str)
     if problems:
         shown = "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
         raise CheckpointError(f"{source}: weights do not match the config: {shown}")
+
+
+def unstack_layers(params: Params) -> Params:
+    """``params`` with ``layers`` as a tuple of per-layer dicts, each array ``[i]`` of the
+    stacked one (a view for numpy arrays: nothing is copied until it is placed)."""
+    stacked = params["layers"]
+    if not isinstance(stacked, Mapping):
+        raise ValueError("the layer weights are already unstacked")
+    num_layers = len(next(iter(stacked.values())))
+    return {**params, "layers": tuple({name: w[i] for name, w in stacked.items()}
+                                      for i in range(num_layers))}
+
+
+def layers_unstacked(params: Mapping[str, Any]) -> bool:
+    return not isinstance(params["layers"], Mapping)

@@ -50,7 +50,7 @@ def test_dense_fn_is_the_model_with_attention_as_identity(linears, t):
     pos = jnp.arange(t, dtype=jnp.int32)
     got = db._dense_fn(cfg, lm_head=True, linears=linears)(params, x, pos)
     # Oracle: the same blocks written out from the weights, attention output = q.
-    w = {k: np.asarray(v) for k, v in model.layers.stacked().items()}
+    w = {k: np.asarray(v) for k, v in model.layers.weights().items()}
     eps = model.config.rms_norm_eps
     inv = np.asarray(model.inv_freq[...])
 

@@ -26,19 +26,22 @@ BUCKETS = BucketConfig(tokens=(8, 32), decode=(8,), decode_pages=(32,), transfer
 CPU_LINEARS = "blas" if jax.default_backend() == "cpu" else "auto"
 
 
-def make_executor(config, mesh, params, linears=CPU_LINEARS):
+def make_executor(config, mesh, params, linears=CPU_LINEARS, layer_weights="auto"):
     # With XLA's dot, also the XLA form of decode attention (else the CPU's FFI handler).
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
                         buckets=BUCKETS, return_logits=True, linears=linears,
-                        decode_attention="rpa" if linears == "xla" else "auto")
+                        decode_attention="rpa" if linears == "xla" else "auto",
+                        layer_weights=layer_weights)
     return JaxExecutor(config, params, ec)
 
 
 # OpenBLAS is covered on an sp and a tp mesh; the mixed mesh runs XLA's dot, what "auto"
 # takes on every multi-device mesh, and the kernel's XLA form of decode attention.
-CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU default OpenBLAS
-    "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),
+# Per-layer weights (the accelerators' default) run unrolled, with TP-sharded weights.
+CASES = {  # name: (config, mesh, iteration mode[, linears[, layer weights]]); on CPU
+    "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),  # default OpenBLAS
     "llama-sp2-tp2-xla-linears": (TINY_LLAMA, "sp=2,tp=2", "conflux", "xla"),
+    "qwen3-sp2-tp2-per-layer": (TINY_QWEN3, "sp=2,tp=2", "conflux", "xla", "per_layer"),
     "qwen3-sp4": (TINY_QWEN3, "sp=4,tp=1", "conflux"),
     "smol-padded-sp4": (TINY_SMOL, "sp=4,tp=1", "conflux"),
     "baseline-tp4-chunked": (TINY_LLAMA, "sp=1,tp=4", "conflux"),
@@ -47,11 +50,12 @@ CASES = {  # name: (config, mesh, iteration mode[, linears]); on CPU default Ope
 _executors: dict[tuple, tuple] = {}
 
 
-def _executor(config, mesh, linears=CPU_LINEARS):
-    key = (config, mesh, linears)
+def _executor(config, mesh, linears=CPU_LINEARS, layer_weights="auto"):
+    key = (config, mesh, linears, layer_weights)
     if key not in _executors:
         params = random_params(config, seed=1, scale=0.2)
-        _executors[key] = (make_executor(config, mesh, params, linears), params)
+        _executors[key] = (make_executor(config, mesh, params, linears, layer_weights),
+                           params)
     return _executors[key]
 
 

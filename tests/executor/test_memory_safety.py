@@ -46,3 +46,26 @@ def test_step_updates_the_pool_in_place(mesh: str) -> None:
         assert mem.alias_size_in_bytes == 2 * pool_bytes, f"{shape}: K and V not donated"
         assert mem.temp_size_in_bytes < pool_bytes / 2, f"{shape}: a pool in temporaries"
         assert mem.output_size_in_bytes < 2 * pool_bytes * 1.01  # the outputs are the pools
+
+
+@pytest.mark.parametrize("layer_weights", ["stacked", "per_layer"])
+def test_per_layer_weights_reach_the_matmuls_uncopied(layer_weights: str) -> None:
+    """Held per layer, every FFN-weight-shaped buffer of the compiled step is an argument:
+    no layer's weights are copied before a matmul. Stacked, XLA:CPU copies each layer's
+    slice out of the stacked array (what the per-layer layout exists to avoid)."""
+    c = TINY_LLAMA
+    ec = ExecutorConfig(mesh="sp=1,tp=1", page_size=4, num_pages=64, max_model_len=64,
+                        linears="xla", layer_weights=layer_weights,
+                        buckets=BucketConfig(tokens=(8,), decode=(8,), decode_pages=(16,),
+                                             transfer=(4,), max_prefill_seqs=2))
+    ex = JaxExecutor(c, random_params(c, seed=1, scale=0.2), ec)
+    assert ex.layer_weights == layer_weights
+    for shape in (ex.planner.shape_for(0, 3, 3, 4),  # decode only
+                  ex.planner.shape_for(5, 2, 7, 4, transfer_max=2)):  # prefill + transfer
+        ex.compile_shape(shape)
+        ffn_weight = rf"=\s*f32\[{c.hidden_size},{c.intermediate_size}\]\S*\s+([\w-]+)\("
+        producers = set(re.findall(ffn_weight, ex._compiled[shape].as_text()))
+        if layer_weights == "per_layer":
+            assert producers == {"parameter"}, producers
+        else:
+            assert "fusion" in producers, producers

@@ -1,0 +1,40 @@
+"""The per-layer weight layout: the same model as the stacked one, layer for layer."""
+
+import jax
+import numpy as np
+import pytest
+from tiny_models import TINY_QWEN3
+
+from conflux_jax.executor.jax_executor import resolve_layer_weights
+from conflux_jax.models.decoder import random_params
+from conflux_jax.models.params import layers_unstacked, unstack_layers
+from conflux_jax.reference import forward
+
+
+def test_unstacked_layers_are_the_stacked_slices_and_run_the_same_model() -> None:
+    params = random_params(TINY_QWEN3, seed=3, scale=0.2)
+    per_layer = unstack_layers(params)
+    assert layers_unstacked(per_layer) and not layers_unstacked(params)
+    assert len(per_layer["layers"]) == TINY_QWEN3.num_layers
+    for i, layer in enumerate(per_layer["layers"]):
+        assert layer.keys() == params["layers"].keys()
+        for name, w in layer.items():
+            np.testing.assert_array_equal(w, params["layers"][name][i])
+    tokens = np.random.default_rng(0).integers(3, TINY_QWEN3.vocab_size, 12)
+    # The stacked weights run in a scan, the per-layer ones unrolled: same logits.
+    np.testing.assert_allclose(forward(TINY_QWEN3, jax.device_put(per_layer), tokens),
+                               forward(TINY_QWEN3, params, tokens), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="already unstacked"):
+        unstack_layers(per_layer)
+
+
+def test_layer_weights_choice() -> None:
+    assert resolve_layer_weights("auto", "auto", "gpu") == "per_layer"
+    assert resolve_layer_weights("auto", "auto", "tpu") == "per_layer"
+    assert resolve_layer_weights("auto", "auto", "cpu") == "stacked"
+    assert resolve_layer_weights("auto", "blas", "cpu") == "stacked"
+    assert resolve_layer_weights("per_layer", "xla", "cpu") == "per_layer"
+    with pytest.raises(ValueError, match="blas"):
+        resolve_layer_weights("per_layer", "blas", "cpu")
+    with pytest.raises(ValueError, match="layer_weights must be one of"):
+        resolve_layer_weights("unrolled", "auto", "cpu")
