@@ -252,6 +252,18 @@ class LogitAdjustments:
         return logits - self.presence[:, None] * (counts > 0)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as i32 (the first maximum; a NaN counts as the maximum),
+    computed as two single-operand reductions: XLA:CPU runs argmax's (value, index)
+    reduction unvectorized, 1.6 ms against 0.27 ms over 16 rows of a 49K vocabulary."""
+    vocab = x.shape[-1]
+    nan = jnp.isnan(x)
+    # XLA:CPU's max may skip NaNs, so a row with one is matched on NaN alone.
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan,
+                    x == jnp.max(x, axis=-1, keepdims=True))
+    return jnp.min(jnp.where(hit, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     temperature: jax.Array,  # f32[S]; 0 = greedy
@@ -274,7 +286,7 @@ def sample(
     if adjust is not None:
         logits = adjust.apply(logits)
     log_z = jax.nn.logsumexp(raw, axis=-1)  # f32[S]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
 
     def filtered(lg: jax.Array) -> jax.Array:
         sorted_desc = -jnp.sort(-lg, axis=-1)  # f32[S, V]
@@ -303,7 +315,10 @@ def sample(
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
         scaled = jax.lax.cond(needs_filter, filtered, lambda lg: lg, scaled)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-        tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        # jax.random.categorical's draw (the Gumbel-max trick, the same noise), with the
+        # fast argmax.
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[1:], scaled.dtype))(keys)
+        tokens = first_argmax(scaled + noise)
         return jnp.where(temperature > 0, tokens, greedy)
 
     # An all-greedy batch (the common serving case) skips the per-row random draw over

@@ -1,10 +1,19 @@
 """The on-device sampler against numpy brute force: filters, greedy, seeds."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from conflux_jax.sampling import LogitAdjustments, SamplingParams, mask_words, sample
+from conflux_jax.sampling import (
+    LogitAdjustments,
+    SamplingParams,
+    first_argmax,
+    mask_words,
+    sample,
+)
 
 
 def _allowed(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
@@ -223,3 +232,28 @@ def test_logit_bias_and_min_p_validation():
     assert sp.additive_bias == ((5, 2.5),)  # +-100 are the mask; 0 changes nothing
     bits = np.unpackbits(sp.token_mask(8).view(np.uint8), bitorder="little")[:8]
     assert bits.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(1, 300))
+def test_first_argmax_is_numpys_argmax_with_ties_infinities_and_nans(seed, vocab):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 4, (12, vocab)).astype(np.float32)  # small ints: many ties
+    x[1] = -np.inf  # a fully masked row
+    x[2, rng.integers(vocab)] = np.inf
+    x[3, rng.integers(vocab, size=2)] = np.nan  # argmax takes the first NaN
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, -1))
+
+
+def test_drawn_tokens_are_jax_categoricals_draws():
+    """The sampled path keeps jax.random.categorical's draw (the same Gumbel noise per
+    seed and step), only its argmax is computed another way."""
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.standard_normal((32, 500)) * 3, jnp.float32)
+    seeds = jnp.arange(32, dtype=jnp.uint32)
+    steps = jnp.asarray(rng.integers(0, 100, 32), jnp.int32)
+    ones = jnp.ones(32, jnp.float32)
+    tokens, *_ = sample(logits, ones, jnp.zeros(32, jnp.int32), ones, seeds, steps)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
+    expected = jax.vmap(jax.random.categorical)(keys, logits)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))

@@ -101,6 +101,20 @@ def test_whole_step_lowers_for_cuda(case: str, monkeypatch) -> None:
     assert "triton" in text and "all_to_all" not in text  # decode stays on its rank
 
 
+def test_per_layer_weights_lower_for_cuda(monkeypatch) -> None:
+    """The accelerators' default layout (each layer's weights its own arrays, the layers
+    unrolled) lowers for CUDA on a mesh with SP, TP and padded heads: each layer its own
+    kernel calls and ragged transfers."""
+    monkeypatch.setattr(kernel_common, "on_gpu", lambda: True)
+    config, mesh = CASES["padded-heads-sp2-tp2"]
+    ex, _ = _executor(config, mesh, "pallas", layer_weights="per_layer")
+    mixed = ex.planner.shape_for(prefill_max=6, decode_max=2, combined_max=8,
+                                 decode_pages_max=4, transfer_max=3)
+    text = _lower(ex, mixed, "cuda")
+    assert "triton" in text and "all_gather" not in text
+    assert text.count("ragged_all_to_all") == 4 * config.num_layers
+
+
 def test_one_rank_moves_kv_without_a_collective(monkeypatch) -> None:
     """On a one-rank mesh the KV transfer and the prefix-cache loads are local gathers:
     the step lowered for CUDA has no all-to-all of any kind (XLA:GPU ran a ragged one over
