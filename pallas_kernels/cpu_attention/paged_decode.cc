@@ -72,6 +72,19 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     const int64_t page = std::clamp<int64_t>(pages[t0 / page_size], 0, num_pages - 1);
     const float* kpage = k + page * page_floats;
     const int64_t n = std::min(page_size, len - t0);
+    // The pages lie scattered over the pool and each spans a few 4 KiB memory pages, where
+    // the hardware prefetcher stops: ask for the next K page while this one is scored, and
+    // for this page's V, which the weighted sum reads after the softmax (a sequence's KV
+    // fits in L2).
+    const float* vpage = v + page * page_floats;
+    const float* knext = t0 + page_size < len
+        ? k + std::clamp<int64_t>(pages[t0 / page_size + 1], 0, num_pages - 1) * page_floats
+        : nullptr;
+    const int64_t used = n * row;
+    for (int64_t f = 0; f < used; f += 16) {
+      __builtin_prefetch(vpage + f, 0, 2);
+      if (knext != nullptr) __builtin_prefetch(knext + f, 0, 3);
+    }
     for (int64_t j = 0; j < n; ++j) {
       const float* krow = kpage + j * row;
       for (int64_t h = 0; h < hq; ++h) {
