@@ -63,7 +63,8 @@ template <int64_t kD>
 CONFLUX_CLONES
 static void AttendOneD(const float* q, const float* k, const float* v, const int32_t* pages,
                        int64_t len, int64_t num_pages, int64_t page_size, int64_t hq,
-                       int64_t hkv, int64_t head_dim, float scale, float* scores, float* out) {
+                       int64_t hkv, int64_t head_dim, float scale, float* scores, float* out,
+                       const float* next_k) {
   const int64_t d = kD > 0 ? kD : head_dim;
   const int64_t group = hq / hkv;
   const int64_t row = hkv * d;  // floats per token in a page
@@ -80,13 +81,14 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     const float* knext = t0 + page_size < len
         ? k + std::clamp<int64_t>(pages[t0 / page_size + 1], 0, num_pages - 1) * page_floats
         : nullptr;
-    const int64_t used = n * row;
-    for (int64_t f = 0; f < used; f += 16) {
-      __builtin_prefetch(vpage + f, 0, 2);
-      if (knext != nullptr) __builtin_prefetch(knext + f, 0, 3);
-    }
     for (int64_t j = 0; j < n; ++j) {
       const float* krow = kpage + j * row;
+      // A row's worth of lines each, spread over the rows: a burst of a whole page of
+      // requests would wait on the core's few outstanding-miss slots.
+      for (int64_t f = j * row; f < (j + 1) * row; f += 16) {
+        __builtin_prefetch(vpage + f, 0, 2);
+        if (knext != nullptr) __builtin_prefetch(knext + f, 0, 3);
+      }
       for (int64_t h = 0; h < hq; ++h) {
         const float* qh = q + h * d;
         const float* kh = krow + (h / group) * d;
@@ -119,6 +121,9 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     const int64_t n = std::min(page_size, len - t0);
     for (int64_t j = 0; j < n; ++j) {
       const float* vrow = vpage + j * row;
+      if (t0 == 0 && next_k != nullptr) {  // the next sequence's first K page, meanwhile
+        for (int64_t f = j * row; f < (j + 1) * row; f += 16) __builtin_prefetch(next_k + f, 0, 2);
+      }
       for (int64_t h = 0; h < hq; ++h) {
         const float p = scores[h * len + t0 + j];
         const float* vh = vrow + (h / group) * d;
@@ -132,17 +137,18 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
 
 static void AttendOne(const float* q, const float* k, const float* v, const int32_t* pages,
                       int64_t len, int64_t num_pages, int64_t page_size, int64_t hq,
-                      int64_t hkv, int64_t d, float scale, float* scores, float* out) {
+                      int64_t hkv, int64_t d, float scale, float* scores, float* out,
+                      const float* next_k) {
   switch (d) {
     case 64:
       return AttendOneD<64>(q, k, v, pages, len, num_pages, page_size, hq, hkv, d, scale,
-                            scores, out);
+                            scores, out, next_k);
     case 128:
       return AttendOneD<128>(q, k, v, pages, len, num_pages, page_size, hq, hkv, d, scale,
-                             scores, out);
+                             scores, out, next_k);
     default:
       return AttendOneD<0>(q, k, v, pages, len, num_pages, page_size, hq, hkv, d, scale,
-                           scores, out);
+                           scores, out, next_k);
   }
 }
 
@@ -182,14 +188,25 @@ static ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t cores = std::max<int64_t>(1, pool.num_threads());
   const int64_t parts = std::clamp<int64_t>(total / kMinKeysPerThread, 1,
                                             std::min<int64_t>(cores, kMaxThreads));
+  const float* k_data = k_pages.typed_data();
+  const int32_t* table = page_indices.typed_data();
+  const int64_t page_floats = page_size * hkv * d;
   auto run = [&](int64_t part) {
     std::vector<float> scores(static_cast<size_t>(hq * width * page_size));
+    std::vector<int64_t> mine;  // this run's sequences, in order
     for (int64_t s = 0; s < n; ++s) {
       const int64_t owner = std::min(parts - 1, (ends[s] - lens[s]) * parts / total);
-      if (owner != part || lens[s] == 0) continue;
-      AttendOne(q.typed_data() + s * hq * d, k_pages.typed_data(), v_pages.typed_data(),
-                page_indices.typed_data() + s * width, lens[s], num_pages, page_size, hq, hkv,
-                d, sm_scale, scores.data(), o + s * hq * d);
+      if (owner == part && lens[s] > 0) mine.push_back(s);
+    }
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const int64_t s = mine[i];
+      const float* next_k = i + 1 < mine.size()
+          ? k_data + std::clamp<int64_t>(table[mine[i + 1] * width], 0, num_pages - 1) *
+                         page_floats
+          : nullptr;
+      AttendOne(q.typed_data() + s * hq * d, k_data, v_pages.typed_data(), table + s * width,
+                lens[s], num_pages, page_size, hq, hkv, d, sm_scale, scores.data(),
+                o + s * hq * d, next_k);
     }
   };
   if (total == 0) return ffi::Error::Success();
