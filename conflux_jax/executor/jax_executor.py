@@ -1035,6 +1035,8 @@ class JaxExecutor:
             # the inverse is a gather and every slot of the prefill slice is defined.
             meta.perm[kernel_pos:] = np.flatnonzero(~used_a2a)
             meta.inverse[meta.perm] = np.arange(n * p, dtype=np.int32)
+            # On one rank this is the identity, which the step relies on to skip both
+            # gathers (step.py).
 
         # Decode slice, after the rank's prefill tokens: one row per decode slot, then one
         # per local prefill token (each writes its KV there; the slice writes every row's

@@ -141,6 +141,8 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
         # attention loop has read the pool makes XLA copy the whole pool.
         if p:
             def to_heads(a):  # [P, H, d] -> [N*P, H/N, d] in kernel order
+                if n == 1:  # one rank fills its slots in kernel order: perm is the identity
+                    return a[:p]
                 a = jax.lax.all_to_all(a[:p], SP, split_axis=1, concat_axis=0, tiled=True)
                 return a[meta.perm]
 
@@ -162,8 +164,9 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
         if p:
             o = attn(qa, _layers_as_pages(kp, view), _layers_as_pages(vp, view),
                      meta.kv_lens, b.prefill_pages + base, meta.cu_q_lens, meta.num_seqs)
-            o = jax.lax.all_to_all(o[meta.inverse], SP, split_axis=0, concat_axis=1,
-                                   tiled=True)  # [P, Hq_l, d], sequence-sharded again
+            if n > 1:
+                o = jax.lax.all_to_all(o[meta.inverse], SP, split_axis=0, concat_axis=1,
+                                       tiled=True)  # [P, Hq_l, d], sequence-sharded again
             out = out.at[:p].set(o)
         k_dec, v_dec = _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:])
         od = decode_attn(q[idx], k_dec, v_dec, b.decode_kv_len, b.decode_pages + base,

@@ -49,3 +49,34 @@ def test_a_batch_updated_in_place_equals_one_built_from_nothing():
     engine.generate(prompts, [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True)
                               for m in rng.integers(6, 30, 6)])
     assert counts["in_place"] > 10 and counts["checked"] > counts["in_place"]
+
+
+def test_one_rank_puts_prefill_tokens_in_kernel_order():
+    """On one rank the step skips the kernel-order gathers of the prefill slice (and of its
+    attention's output): every batch's permutation must be the identity there, over steps
+    with several prompts, chunked ones and padding."""
+    ec = ExecutorConfig(mesh="sp=1,tp=1", page_size=4, num_pages=96, max_model_len=128,
+                        buckets=BucketConfig(tokens=(8, 32), decode=(8,), max_prefill_seqs=4))
+    engine = Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
+                    Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+    ex = engine.executor
+    real = ex.build_batch
+    seen = {"prefill": 0, "several": 0}
+
+    def checked(plan):
+        shape, batch, rows = real(plan)
+        if shape.prefill:
+            seen["prefill"] += 1
+            seen["several"] += len(plan.prefill) > 1
+            identity = np.arange(shape.prefill)
+            np.testing.assert_array_equal(batch.shared.perm, identity)
+            np.testing.assert_array_equal(batch.shared.inverse, identity)
+        return shape, batch, rows
+
+    ex.build_batch = checked
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, TINY_LLAMA.vocab_size, int(n)).tolist()
+               for n in rng.integers(3, 60, 8)]
+    engine.generate(prompts, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+                              for _ in prompts])
+    assert seen["prefill"] >= 3 and seen["several"] >= 1
