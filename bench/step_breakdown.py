@@ -11,9 +11,9 @@ step replaced, and timed on the same arrays (fastest of ``--repeats``):
 - ``no attention``: both attention calls return their queries (the linears still run);
 - ``no KV write``: the K/V scatters into the pool are skipped;
 - ``neither``: both;
-- ``full, rpa decode attention``: where decode attention runs the CPU's FFI handler, the
-  full step with the ragged paged attention kernel's XLA form instead, timed in turn with
-  the full step once more (``full, A/B``).
+- ``full, rpa attention``: where attention runs the CPU's FFI handlers, the full step with
+  the ragged paged attention kernel's XLA form in their place, timed in turn with the full
+  step once more (``full, A/B``).
 
 Beside them, the dense layers alone on as many rows, with the LM head when every row
 samples (``conflux_jax.bench.dense_bound``). The differences say what attention and the KV writes
@@ -58,18 +58,18 @@ def capture(engine: Any, prompt_len: int, max_tokens: int, concurrency: int,  # 
 def without(attention: bool, kv_write: bool) -> Iterator[None]:
     """Build steps with attention (returns q) and/or the KV scatters (pool unchanged)
     taken out."""
-    saved = (step_module.ragged_paged_attention, step_module.paged_decode,
-             step_module._write_stacked)
+    names = ("ragged_paged_attention", "paged_decode", "paged_prefill")
+    saved = [getattr(step_module, n) for n in (*names, "_write_stacked")]
     if attention:
-        step_module.ragged_paged_attention = lambda q, *a, **k: q
-        step_module.paged_decode = lambda q, *a, **k: q
+        for name in names:
+            setattr(step_module, name, lambda q, *a, **k: q)
     if kv_write:
         step_module._write_stacked = lambda pool, *a: pool
     try:
         yield
     finally:
-        (step_module.ragged_paged_attention, step_module.paged_decode,
-         step_module._write_stacked) = saved
+        for name, fn in zip((*names, "_write_stacked"), saved, strict=True):
+            setattr(step_module, name, fn)
 
 
 def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN401
@@ -133,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "neither": (True, True)}.items():
             with without(attn, kv):
                 row[label] = time_step(ex, shape, host, args.repeats)
-        if ex.step_config.decode_attention != "rpa":  # what the CPU's decode handler spares
-            row["full, A/B"], row["full, rpa decode attention"] = time_steps(
-                ex, shape, host, args.repeats, [{}, {"decode_attention": "rpa"}])
+        # What the CPU's attention handlers spare, the kernel's XLA form in their place.
+        rpa = {f"{k}_attention": "rpa" for k in ("decode", "prefill")
+               if getattr(ex.step_config, f"{k}_attention") != "rpa"}
+        if rpa:
+            row["full, A/B"], row["full, rpa attention"] = time_steps(
+                ex, shape, host, args.repeats, [{}, rpa])
         # A decode step samples every row; a prefill step only the rows that finish a
         # prompt and the decodes, so its LM head is left out of the comparison.
         row[dense] = dense_seconds(ckpt.config, params, live, not prefill, args.repeats)

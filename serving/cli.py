@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode attention: rpa (the ragged paged attention kernel) or cpu "
                         "(a C++ handler reading each sequence's KV pages in place; fp32 on "
                         "CPU only); auto = cpu where it runs, else rpa")
+    p.add_argument("--prefill-attention", choices=("auto", "rpa", "cpu"), default="auto",
+                   help="prefill attention: rpa (the ragged paged attention kernel) or cpu "
+                        "(a C++ handler for ragged causal chunks reading KV pages in place; "
+                        "fp32 on CPU only); auto = cpu where it runs, else rpa")
     p.add_argument("--layer-weights", choices=("auto", "stacked", "per_layer"), default="auto",
                    help="stacked: each weight one [layers, ...] array, the layers in a loop "
                         "(fast to compile); per_layer: arrays of their own, the layers "
@@ -223,6 +227,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               linears=args.linears,
                               decode_attention=args.decode_attention,
+                              prefill_attention=args.prefill_attention,
                               layer_weights=args.layer_weights)
     return ckpt, executor
 

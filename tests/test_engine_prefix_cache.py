@@ -28,7 +28,8 @@ def make_engine(mesh="sp=4,tp=1", num_pages=128, policy="conflux", caching=True,
                 **config) -> Engine:
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=num_pages, max_model_len=128,
                         buckets=BUCKETS, attention_impl=config.pop("attention_impl", None),
-                        decode_attention=config.pop("decode_attention", "auto"))
+                        decode_attention=config.pop("decode_attention", "auto"),
+                        prefill_attention=config.pop("prefill_attention", "auto"))
     return Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
                   EngineConfig(executor=ec, policy=policy, enable_prefix_caching=caching,
                                **config))
@@ -238,20 +239,21 @@ def test_n_choices_prefill_their_prompt_once_and_share_its_pages():
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("mesh,impl,decode", [
-    ("sp=4,tp=1", None, "auto"),  # decode rows by the CPU handler
+@pytest.mark.parametrize("mesh,impl,attention", [
+    ("sp=4,tp=1", None, "auto"),  # decode rows and suffixes by the CPU handlers
     ("sp=2,tp=2", None, "auto"),
     ("sp=4,tp=1", None, "rpa"),  # by the kernel's jnp path
     ("sp=4,tp=1", "interpret", "auto"),  # by the Pallas kernel
 ])
-def test_suffixes_prefilled_on_the_owner_alone_give_the_reference_tokens(mesh, impl, decode):
+def test_suffixes_prefilled_on_the_owner_alone_give_the_reference_tokens(mesh, impl,
+                                                                         attention):
     """With links priced slow, a hit whose suffix fits the owner's decode slice runs there
     alone (decode-slice rows over its cached pages, beside resident decodes and other
     prompts' Ulysses chunks); every token is still the dense reference's."""
     waves = shared_prefix_waves(seed=3)
     engine = make_engine(mesh, latency_model=slow_links(4 if mesh.startswith("sp=4") else 2),
-                         attention_impl=impl,
-                         decode_attention=decode)
+                         attention_impl=impl, decode_attention=attention,
+                         prefill_attention=attention)
     plans = record_plans(engine)
     got = run_waves(engine, waves)
     assert got == [solo_greedy(p, 6) for w in waves for p in w]

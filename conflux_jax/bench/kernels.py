@@ -29,7 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import BlockSizes, default_block_sizes, ragged_paged_attention, write_kv
-from pallas_kernels.cpu_attention import paged_decode, paged_decode_available
+from pallas_kernels.cpu_attention import (
+    paged_attention_available,
+    paged_decode,
+    paged_prefill,
+)
 
 DECODE_TARGET = 0.70  # of measured copy bandwidth
 PREFILL_TARGET = 0.40  # of measured bf16 matmul rate
@@ -330,9 +334,9 @@ def bench_small(iters: int) -> dict[str, Any]:
             outs[impl] = np.asarray(attention_fn(impl)(*args))
         row["max_abs_diff"] = float(np.abs(outs["xla"] - outs["interpret"]).max())
         cpu = ""
-        if set(shape.q_lens) == {1} and paged_decode_available()[0]:  # the CPU's handler
-            fn = jax.jit(lambda q, k, v, lens, pages, cu, n: paged_decode(
-                q, k, v, lens, pages, n))
+        if paged_attention_available()[0]:  # the CPU's handlers, as the step picks them
+            fn = jax.jit(paged_prefill if set(shape.q_lens) != {1} else (
+                lambda q, k, v, lens, pages, cu, n: paged_decode(q, k, v, lens, pages, n)))
             row["cpu_handler"] = time_call(fn, args, iters)
             row["cpu_handler_max_abs_diff"] = float(np.abs(np.asarray(fn(*args))
                                                            - outs["xla"]).max())

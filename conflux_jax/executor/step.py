@@ -50,7 +50,7 @@ from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params, layers_unstacked
 from conflux_jax.sampling import LogitAdjustments, sample
-from pallas_kernels.cpu_attention import paged_decode
+from pallas_kernels.cpu_attention import paged_decode, paged_prefill
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -66,9 +66,10 @@ class StepConfig:
     num_top_logprobs: int = 0
     attention_impl: str | None = None  # None = auto (see pallas_kernels)
     linears: str = "xla"  # "blas": OpenBLAS in place of XLA's dot (``Decoder.run_layers``)
-    # "cpu": decode attention by the CPU's FFI handler (``pallas_kernels.cpu_attention``)
-    # instead of ``ragged_paged_attention``; prefill attention is unchanged.
+    # "cpu": decode / prefill attention by the CPU's FFI handlers
+    # (``pallas_kernels.cpu_attention``) instead of ``ragged_paged_attention``.
     decode_attention: str = "rpa"
+    prefill_attention: str = "rpa"
     # Multi-process: the sampler returns its rows replicated (see ``build_step``).
     replicate_samples: bool = False
 
@@ -81,7 +82,7 @@ def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
 
 
 KV_POOL_SPEC = P(SP, None, None, None, TP, None)
-DECODE_ATTENTION = ("rpa", "cpu")
+ATTENTION = ("rpa", "cpu")
 
 
 def transfer_link_bytes(cfg: StepConfig, groups: int, itemsize: int) -> int:
@@ -129,8 +130,9 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
     d_slots = b.decode_index.shape[0]
     x_groups = b.transfer_src.shape[0]
     decode_cu = jnp.arange(d_slots + 1, dtype=jnp.int32)
-    attn = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
-    decode_attn = _cpu_decode if cfg.decode_attention == "cpu" else attn
+    rpa = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
+    attn = _cpu_prefill if cfg.prefill_attention == "cpu" else rpa
+    decode_attn = _cpu_decode if cfg.decode_attention == "cpu" else rpa
 
     def attend(layer, q, k, v, kv):
         kp, vp = kv  # f[L, pages, ps, Hkv_l, d]: written in place, read one layer at a time
@@ -209,6 +211,14 @@ def _cpu_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     ``cu_q_lens = arange(D + 1)``) by the CPU handler."""
     del cu_q_lens
     return paged_decode(q, k_pages, v_pages, kv_lens, page_indices, num_seqs)
+
+
+def _cpu_prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                 query_len=None):
+    """``ragged_paged_attention``'s signature by the CPU's ragged handler (its tiling hint
+    ``query_len`` has nothing to choose)."""
+    del query_len
+    return paged_prefill(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def _write_stacked(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array,

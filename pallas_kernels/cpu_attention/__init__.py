@@ -1,5 +1,9 @@
-"""The CPU's decode attention: a C++ handler reading paged KV in place (XLA FFI)."""
+"""The CPU's paged attention: C++ handlers reading KV pages in place (XLA FFI)."""
 
-from pallas_kernels.cpu_attention.paged_decode import paged_decode, paged_decode_available
+from pallas_kernels.cpu_attention.paged_attention import (
+    paged_attention_available,
+    paged_decode,
+    paged_prefill,
+)
 
-__all__ = ["paged_decode", "paged_decode_available"]
+__all__ = ["paged_attention_available", "paged_decode", "paged_prefill"]

@@ -20,6 +20,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["CACHE_ENV_VAR", "blas_available", "build_handler", "handler_key", "load_handler",
-           "load_library", "stacked_matmul", "stacked_matmul_xla"]
+           "load_library", "loads", "stacked_matmul", "stacked_matmul_xla"]
 
 CACHE_ENV_VAR = "CONFLUX_KERNEL_CACHE"
 # OpenBLAS's idle workers spin ~0.1 s (2^28 cycles) before they sleep; between two GEMMs of
@@ -111,13 +112,18 @@ def load_library() -> ctypes.CDLL:
                         blas.get_lib_dir(), blas.get_library(), (blas.__version__,))
 
 
-def blas_available() -> tuple[bool, str]:
-    """(whether ``stacked_matmul`` can run here, why not)."""
+def loads(load: Callable[[], object]) -> tuple[bool, str]:
+    """(whether ``load`` builds and loads its handler, why not: its RuntimeError)."""
     try:
-        load_library()
+        load()
     except RuntimeError as e:
         return False, str(e)
     return True, ""
+
+
+def blas_available() -> tuple[bool, str]:
+    """(whether ``stacked_matmul`` can run here, why not)."""
+    return loads(load_library)
 
 
 def stacked_matmul(

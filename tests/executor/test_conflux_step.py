@@ -27,10 +27,11 @@ CPU_LINEARS = "blas" if jax.default_backend() == "cpu" else "auto"
 
 
 def make_executor(config, mesh, params, linears=CPU_LINEARS, layer_weights="auto"):
-    # With XLA's dot, also the XLA form of decode attention (else the CPU's FFI handler).
+    # With XLA's dot, also the XLA form of attention (else the CPU's FFI handlers).
+    attention = "rpa" if linears == "xla" else "auto"
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
                         buckets=BUCKETS, return_logits=True, linears=linears,
-                        decode_attention="rpa" if linears == "xla" else "auto",
+                        decode_attention=attention, prefill_attention=attention,
                         layer_weights=layer_weights)
     return JaxExecutor(config, params, ec)
 

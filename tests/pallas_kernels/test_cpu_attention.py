@@ -1,6 +1,7 @@
-"""The CPU's decode attention (an XLA FFI call) equals the numpy oracle of ragged paged
-attention on decode calls: GQA, unequal lengths over scattered pages, padding slots past
-``num_seqs``, empty sequences, page ids past the pool; fp32 only."""
+"""The CPU's attention handlers (XLA FFI calls) equal the numpy oracle of ragged paged
+attention: decode calls and ragged prefill calls (fresh prompts, chunks after history, one
+token, several key blocks), GQA, unequal lengths over scattered pages, padding rows and
+slots past ``num_seqs``, empty sequences, page ids past the pool; fp32 only."""
 
 import math
 
@@ -8,12 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pallas_kernels.cpu_attention import paged_decode, paged_decode_available
+from pallas_kernels.cpu_attention import (
+    paged_attention_available,
+    paged_decode,
+    paged_prefill,
+)
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 
-pytestmark = pytest.mark.skipif(not paged_decode_available()[0],
-                                reason=paged_decode_available()[1])
+pytestmark = pytest.mark.skipif(not paged_attention_available()[0],
+                                reason=paged_attention_available()[1])
 
 
 def _case(rng, seqs, lens, hq, hkv, d, page_size=4, num_pages=128, width=12):
@@ -70,11 +77,64 @@ def test_an_empty_sequence_gives_a_zero_row():
     assert not got[0].any() and not got[2].any() and got[1].any()
 
 
+def _ragged(rng, q_lens, kv_lens, hq, hkv, d, page_size=4, num_pages=256, pad=3):
+    """A prefill call: ``q_lens`` query tokens of sequences holding ``kv_lens`` keys, then
+    ``pad`` padding rows, two padding sequences, a table wide enough for the longest."""
+    width = max(math.ceil(n / page_size) for n in kv_lens) + 1
+    num_pages = max(num_pages, sum(math.ceil(n / page_size) for n in kv_lens) + 8)
+    q, k, v, lens, table = _case(rng, len(q_lens) + 2, kv_lens, hq, hkv, d, page_size,
+                                 num_pages, width)
+    q = rng.standard_normal((sum(q_lens) + pad, hq, d)).astype(np.float32)
+    cu = np.full(len(q_lens) + 3, sum(q_lens), np.int32)
+    cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    lens[-1] = 5  # a padding sequence's length must not make it attend
+    return q, k, v, lens, table, cu, np.int32(len(q_lens))
+
+
+def _check_prefill(q, k, v, lens, table, cu, num, scale):
+    got = np.asarray(jax.jit(paged_prefill, static_argnums=7)(
+        q, k, v, lens, table, cu, num, scale))
+    want = ref_ragged_paged_attention(q, k, v, lens, np.minimum(table, len(k) - 1), cu, num,
+                                      sm_scale=scale)
+    live = int(cu[int(num)])
+    np.testing.assert_allclose(got[:live], want[:live], rtol=2e-5, atol=2e-5)
+    assert not got[live:].any()  # padding rows stay zero
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 8), (6, 2, 128)])
+@pytest.mark.parametrize(("q_lens", "kv_lens"), [
+    ([128, 128], [128, 128]),  # fresh prompts
+    ([40, 1, 7], [300, 1, 90]),  # chunks after history (> one key block), a lone token
+    ([200], [200]),  # a fresh prompt over several key blocks and row blocks
+    ([0, 5], [33, 5]),  # an empty sequence between
+])
+def test_prefill_matches_the_oracle(hq, hkv, d, q_lens, kv_lens):
+    rng = np.random.default_rng(sum(q_lens) + hq)
+    _check_prefill(*_ragged(rng, q_lens, kv_lens, hq, hkv, d), 1 / math.sqrt(d))
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 150)), min_size=1,
+                       max_size=5),
+       page_size=st.sampled_from([1, 4, 16]), group=st.sampled_from([1, 3, 4]))
+def test_prefill_on_random_ragged_batches(chunks, page_size, group):
+    """Any chunk length after any history (keys = history + chunk), any page size."""
+    rng = np.random.default_rng(len(chunks) * 1000 + page_size * 10 + group)
+    q_lens = [c for c, _ in chunks]
+    kv_lens = [c + h for c, h in chunks]
+    if max(kv_lens) == 0:
+        kv_lens[0] = q_lens[0] = 1
+    _check_prefill(*_ragged(rng, q_lens, kv_lens, 2 * group, 2, 16, page_size, 512), 0.3)
+
+
 def test_other_dtypes_are_refused_by_name():
     rng = np.random.default_rng(2)
     q, k, v, kv_lens, table = _case(rng, 2, [3, 4], 4, 2, 16)
-    with pytest.raises(ValueError, match="fp32 only, got k_pages bfloat16"):
+    with pytest.raises(ValueError, match="paged_decode is fp32 only, got k_pages bfloat16"):
         paged_decode(q, jnp.asarray(k, jnp.bfloat16), v, kv_lens, table, np.int32(2), 0.25)
+    cu = np.array([0, 1, 2], np.int32)
+    with pytest.raises(ValueError, match="paged_prefill is fp32 only, got q bfloat16"):
+        paged_prefill(jnp.asarray(q, jnp.bfloat16), k, v, kv_lens, table, cu, np.int32(2))
 
 
 def test_loading_the_handler_keeps_subnormals():

@@ -1,0 +1,109 @@
+"""Paged attention on the CPU as XLA FFI calls: each sequence's KV read in place.
+
+XLA's own form of ragged paged attention (``impl="xla"``) gathers every sequence's pages into
+a new buffer and runs small batched dots (decode) or tiled loops (prefill) over it; at
+SmolLM2's shapes that costs several times what reading the KV once does. Two C++ handlers
+(``paged_attention.cc``) walk each sequence's pages where they lie instead:
+
+- ``paged_decode``: one query token per sequence, one token row (all KV heads) at a time;
+- ``paged_prefill``: ragged chunks of query tokens, causal, as blocks of query rows (the
+  tokens of a run times the query heads of one KV head) against blocks of keys with an
+  online softmax.
+
+The library is built on first use with the system C++ compiler into the kernel cache of
+``pallas_kernels.cpu_gemm`` (for each of AVX-512, AVX2 and plain x86-64; the loader picks
+the host's). fp32 only.
+
+The contract is ``ragged_paged_attention``'s (``paged_decode``: for
+``cu_q_lens = arange(S + 1)``); ``ref_ragged_paged_attention`` is the oracle the tests check
+both against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu_gemm import load_handler, loads
+
+__all__ = ["paged_attention_available", "paged_decode", "paged_prefill"]
+
+DECODE_TARGET = "conflux_paged_decode"
+PREFILL_TARGET = "conflux_paged_prefill"
+_SOURCE = Path(__file__).with_name("paged_attention.cc")
+
+# No -ffast-math: GCC 12 then links crtfastmath, whose constructor flushes subnormals to
+# zero for the whole process the moment the library loads. -fno-trapping-math lets GCC
+# vectorize the softmax's exp (its float-to-int step); without it every exp was scalar.
+_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread")
+
+
+@functools.cache
+def _load() -> ctypes.CDLL:
+    load_handler(_SOURCE, "ConfluxPagedDecode", DECODE_TARGET, [jax.ffi.include_dir()],
+                 _FLAGS)
+    return load_handler(_SOURCE, "ConfluxPagedPrefill", PREFILL_TARGET,
+                        [jax.ffi.include_dir()], _FLAGS)
+
+
+@functools.cache
+def paged_attention_available() -> tuple[bool, str]:
+    """(whether ``paged_decode`` and ``paged_prefill`` can run in this process, why not):
+    a CPU backend and a C++ compiler that builds the handlers."""
+    if jax.default_backend() != "cpu":
+        return False, f"the default backend is {jax.default_backend()}, not cpu"
+    return loads(_load)
+
+
+def paged_decode(
+    q: jax.Array,  # f32[S, Hq, d] one query token per sequence
+    k_pages: jax.Array,  # f32[P, page_size, Hkv, d]
+    v_pages: jax.Array,  # f32[P, page_size, Hkv, d]
+    kv_lens: jax.Array,  # i32[S] keys each query sees (its own included)
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    num_seqs: jax.Array,  # i32[] or i32[1] live sequences (rows past it are zero)
+    sm_scale: float | None = None,
+) -> jax.Array:  # f32[S, Hq, d]
+    """Decode attention by the C++ handler (``paged_attention_available`` must hold).
+    Page ids are clipped into the pool; only a sequence's first ``kv_lens`` keys are read.
+    ``sm_scale`` defaults to the kernel's ``1/sqrt(d)``."""
+    return _call(DECODE_TARGET, "paged_decode", q, k_pages, v_pages, kv_lens, page_indices,
+                 None, num_seqs, sm_scale)
+
+
+def paged_prefill(
+    q: jax.Array,  # f32[T, Hq, d] query tokens of all sequences, packed
+    k_pages: jax.Array,  # f32[P, page_size, Hkv, d]
+    v_pages: jax.Array,  # f32[P, page_size, Hkv, d]
+    kv_lens: jax.Array,  # i32[S] keys of each sequence, this chunk's included
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S+1] sequence s owns q[cu_q_lens[s]:cu_q_lens[s+1]]
+    num_seqs: jax.Array,  # i32[] or i32[1] live sequences
+    sm_scale: float | None = None,
+) -> jax.Array:  # f32[T, Hq, d]; rows outside live sequences are zero
+    """Ragged causal attention by the C++ handler (``paged_attention_available`` must
+    hold): ``ragged_paged_attention``'s contract, any query length. Page ids are clipped
+    into the pool; ``sm_scale`` defaults to ``1/sqrt(d)``."""
+    return _call(PREFILL_TARGET, "paged_prefill", q, k_pages, v_pages, kv_lens, page_indices,
+                 cu_q_lens, num_seqs, sm_scale)
+
+
+def _call(target: str, name: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+          kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array | None,
+          num_seqs: jax.Array, sm_scale: float | None) -> jax.Array:
+    for arg, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if a.dtype != jnp.float32:
+            raise ValueError(f"{name} is fp32 only, got {arg} {a.dtype}")
+    _load()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    cu = () if cu_q_lens is None else (jnp.asarray(cu_q_lens, jnp.int32),)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32),
+                jnp.asarray(page_indices, jnp.int32), *cu,
+                jnp.asarray(num_seqs, jnp.int32).reshape(1), sm_scale=np.float32(scale))
