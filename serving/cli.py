@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"decode slots per rank (default: {_csv(cpu.decode)} on CPU, up to "
                         "256 on a GPU/TPU)")
     p.add_argument("--decode-page-buckets", type=_ints, default=None,
-                   help="decode page-table widths (default: the max model length's)")
+                   help="decode page-table widths in pages (default: the max model "
+                        "length's on CPU; 128, 1024, 8192 on a GPU/TPU, capped at it)")
     p.add_argument("--max-prefill-seqs", type=int, default=None,
                    help=f"prefill chunks per step (default: {cpu.max_prefill_seqs} on CPU, "
                         "16 on a GPU/TPU)")

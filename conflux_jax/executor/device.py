@@ -26,9 +26,13 @@ DEFAULT_MEMORY_UTILIZATION = 0.9
 # On an accelerator padded rows are nearly free below the GEMMs' knee (a few hundred
 # tokens: weight-read bound) and each bucket is one more executable to compile, so the
 # buckets are coarse and reach further: long prompts go in fewer, larger chunks, and a
-# rank hosts hundreds of decodes.
+# rank hosts hundreds of decodes. Decode page tables are as wide as the step's longest
+# context needs, in steps of 8x (capped at the max model length's width): at a long max
+# length a table of full width is built, sent and read every step (256 decodes at 128K
+# tokens, 16-token pages: 8 MiB), though most contexts are short.
 ACCELERATOR_BUCKETS = BucketConfig(tokens=(16, 64, 256, 512, 1024, 2048),
-                                   decode=(16, 64, 256), max_prefill_seqs=16)
+                                   decode=(16, 64, 256), decode_pages=(128, 1024, 8192),
+                                   max_prefill_seqs=16)
 
 
 def is_accelerator(platform: str) -> bool:

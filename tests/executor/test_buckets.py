@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from conflux_jax.executor.buckets import BucketConfig, ShapePlanner
+from conflux_jax.executor.device import default_buckets
 
 
 def _planner():
@@ -67,3 +68,16 @@ def test_single_row_buckets_serve_only_decode_only_steps():
     assert seen <= warm
     assert {(s.tokens, s.prefill, s.decode) for s in warm if 1 in (s.tokens, s.decode)} \
         == {(1, 0, 1)}  # one extra executable
+
+
+def test_accelerator_page_tables_follow_the_context():
+    """On a GPU/TPU a decode step's page table is as wide as its longest context needs
+    (steps of 8x), not the max model length's: at 128K tokens of 16-token pages a short
+    step sends 128 pages per sequence, not 8192; the widths stop at the max length's."""
+    long = ShapePlanner(default_buckets("gpu"), max_pages_per_seq=8192, transfer_groups=2048)
+    assert long.decode_page_buckets() == (128, 1024, 8192)
+    widths = [long.shape_for(0, 16, 16, n).decode_pages for n in (3, 128, 129, 5000, 8192)]
+    assert widths == [128, 128, 1024, 8192, 8192]
+    short = ShapePlanner(default_buckets("gpu"), max_pages_per_seq=128, transfer_groups=32)
+    assert short.decode_page_buckets() == (128,)  # 2K tokens: one width, no more compiles
+    assert default_buckets("cpu").decode_pages == (1 << 30,)  # CPU: one width
