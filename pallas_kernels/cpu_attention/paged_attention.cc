@@ -155,6 +155,18 @@ static void WithHeadDim(int64_t d, F&& f) {
   }
 }
 
+// How many runs ``total`` work splits into: one per ``min_per_part`` of it, at most one per
+// thread of XLA's pool (and kMaxThreads).
+static int64_t PartsFor(ffi::ThreadPool& pool, int64_t total, int64_t min_per_part) {
+  const int64_t cores = std::max<int64_t>(1, pool.num_threads());
+  return std::clamp<int64_t>(total / min_per_part, 1, std::min<int64_t>(cores, kMaxThreads));
+}
+
+// The run that work starting at ``start`` of ``total`` falls in: runs of about equal work.
+static int64_t PartOf(int64_t start, int64_t parts, int64_t total) {
+  return std::min(parts - 1, start * parts / total);
+}
+
 // Runs ``run(part)`` for every part in [0, parts): the calling thread and tasks on XLA's own
 // intra-op pool (starting a thread per call cost more than a small call) take parts until
 // none is left; returns when all are done.
@@ -210,9 +222,7 @@ static ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // The KV of a step's sequences is scattered over the pool: one core alone cannot pull it
   // at the memory's bandwidth. Split the sequences into runs of about equal KV, taken by
   // the threads of XLA's pool (RunParts). Small calls stay on the calling thread.
-  const int64_t cores = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::clamp<int64_t>(total / kMinKeysPerThread, 1,
-                                            std::min<int64_t>(cores, kMaxThreads));
+  const int64_t parts = PartsFor(pool, total, kMinKeysPerThread);
   const float* k_data = k_pages.typed_data();
   const int32_t* table = page_indices.typed_data();
   const int64_t page_floats = page_size * hkv * d;
@@ -220,8 +230,7 @@ static ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     std::vector<float> scores(static_cast<size_t>(hq * width * page_size));
     std::vector<int64_t> mine;  // this run's sequences, in order
     for (int64_t s = 0; s < n; ++s) {
-      const int64_t owner = std::min(parts - 1, (ends[s] - lens[s]) * parts / total);
-      if (owner == part && lens[s] > 0) mine.push_back(s);
+      if (lens[s] > 0 && PartOf(ends[s] - lens[s], parts, total) == part) mine.push_back(s);
     }
     for (size_t i = 0; i < mine.size(); ++i) {
       const int64_t s = mine[i];
@@ -441,17 +450,14 @@ static ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     }
   }
   if (items.empty()) return ffi::Error::Success();
-  const int64_t cores = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::clamp<int64_t>(total / kMinWorkPerThread, 1,
-                                            std::min<int64_t>(cores, kMaxThreads));
+  const int64_t parts = PartsFor(pool, total, kMinWorkPerThread);
   const int64_t rows = block_tokens * group;
   auto run = [&](int64_t part) {
     std::vector<float> scratch(static_cast<size_t>(ScratchFloats(rows, d)));
     std::vector<const float*> vrows(kKeyBlock);
     // Items in order, split into runs of about equal work.
     for (size_t i = 0; i < items.size(); ++i) {
-      const int64_t start = i == 0 ? 0 : ends[i - 1];
-      if (std::min(parts - 1, start * parts / total) != part) continue;
+      if (PartOf(i == 0 ? 0 : ends[i - 1], parts, total) != part) continue;
       const PrefillItem& it = items[i];
       WithHeadDim(d, [&](auto kd) {
         AttendBlockD<kd()>(it, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
