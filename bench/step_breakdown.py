@@ -13,7 +13,9 @@ step replaced, and timed on the same arrays (fastest of ``--repeats``):
 - ``neither``: both;
 - ``full, rpa attention``: where attention runs the CPU's FFI handlers, the full step with
   the ragged paged attention kernel's XLA form in their place, timed in turn with the full
-  step once more (``full, A/B``).
+  step once more (``full, A/B``);
+- ``full, XLA's dot``: where the linears run the packed GEMM, the full step with XLA's dot
+  on the plain weights in its place, timed in turn (``full, A/B linears``).
 
 Beside them, the dense layers alone on as many rows, with the LM head when every row
 samples (``conflux_jax.bench.dense_bound``). The differences say what attention and the KV writes
@@ -73,21 +75,26 @@ def without(attention: bool, kv_write: bool) -> Iterator[None]:
 
 
 def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN401
-               configs: list[dict[str, Any]]) -> list[float]:
+               configs: list[dict[str, Any]], params: list[Any] | None = None) -> list[float]:
     """Fastest of ``repeats`` runs of freshly built and compiled steps on ``host``, one per
-    ``configs`` entry (``StepConfig`` fields to change), run in turn so that a slow spell
-    of the machine falls on all of them."""
+    ``configs`` entry (``StepConfig`` fields to change; ``params``: each one's weights,
+    default the executor's), run in turn so that a slow spell of the machine falls on all
+    of them."""
+    weights = params or [ex.params] * len(configs)
     inputs = ex.device_inputs(host)
+    _, *rest = ex._abstract_args(shape)
     forwards = [step_module.build_step(dataclasses.replace(ex.step_config, **cfg), ex.mesh,
                                        ex._param_specs).forward
-                .lower(*ex._abstract_args(shape)).compile() for cfg in configs]
+                .lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                   sharding=a.sharding), w),
+                       *rest).compile() for cfg, w in zip(configs, weights, strict=True)]
     ex.compile_shape(shape)  # the sampler of the shape's row count (no config changes it)
     sampler = ex._samplers[StepBatch.sample_rows(shape, ex.layout)]
     best = [float("inf")] * len(configs)
     for i in range(repeats + 1):  # the first round is a warm-up
         for j, forward in enumerate(forwards):
             start = time.perf_counter()
-            out = forward(ex.params, ex.k_pool, ex.v_pool, *inputs.forward)
+            out = forward(weights[j], ex.k_pool, ex.v_pool, *inputs.forward)
             ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
             jax.block_until_ready(sampler(out.logits, inputs.sample))
             if i:
@@ -118,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     ckpt = load_checkpoint("default")
     params = jax.device_put(ckpt.params)
+    # One host device: no head padding, so the checkpoint's weights are the plain ones.
+    plain = params
     report: dict[str, dict[str, Any]] = {}
     for name, step in steps.items():
         if step is None:
@@ -139,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         if rpa:
             row["full, A/B"], row["full, rpa attention"] = time_steps(
                 ex, shape, host, args.repeats, [{}, rpa])
+        # What the packed GEMM spares: XLA's dot on the plain weights in its place.
+        if ex.step_config.linears == "packed":
+            row["full, A/B linears"], row["full, XLA's dot"] = time_steps(
+                ex, shape, host, args.repeats, [{}, {"linears": "xla"}], [ex.params, plain])
         # A decode step samples every row; a prefill step only the rows that finish a
         # prompt and the decodes, so its LM head is left out of the comparison.
         row[dense] = dense_seconds(ckpt.config, params, live, not prefill, args.repeats)

@@ -18,7 +18,7 @@ import numpy as np
 
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.decoder import Decoder
-from conflux_jax.models.params import Params
+from conflux_jax.models.params import Params, linears_packed
 from conflux_jax.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 
 
@@ -50,7 +50,9 @@ def _forward(config: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arra
         o = dense_attention(q[None], k[None], v[None], positions[None])[0]
         return o, kv
 
-    x, _ = model.run_layers(model.embed_tokens(tokens), positions, attend, None)
+    # Packed weights (models.params.pack_linears) run on the packed GEMM, others on XLA's dot.
+    linears = "packed" if linears_packed(params) else "xla"
+    x, _ = model.run_layers(model.embed_tokens(tokens), positions, attend, None, linears=linears)
     return model.logits(x)
 
 

@@ -100,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pages per rank (default: what --gpu-memory-utilization leaves "
                         "on a GPU/TPU; 256 on CPU)")
-    p.add_argument("--linears", choices=("auto", "xla", "blas"), default="auto",
-                   help="how the dense layers multiply: xla (XLA's dot) or blas (OpenBLAS "
-                        "reading each layer's weights in place; fp32 on CPU only); auto = "
-                        "where blas can run, whichever is faster on this host's steps "
-                        "(timed once per host and model, then remembered), else xla")
+    p.add_argument("--linears", choices=("auto", "xla", "packed", "blas"), default="auto",
+                   help="how the dense layers multiply: xla (XLA's dot), packed (our GEMM on "
+                        "weights packed in 32-column panels, reading each layer in place; "
+                        "fp32 on CPU, tp=1) or blas (OpenBLAS in place; fp32 on CPU); auto = "
+                        "packed where it runs, else xla")
     p.add_argument("--decode-attention", choices=("auto", "rpa", "cpu"), default="auto",
                    help="decode attention: rpa (the ragged paged attention kernel) or cpu "
                         "(a C++ handler reading each sequence's KV pages in place; fp32 on "

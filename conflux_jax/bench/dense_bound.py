@@ -20,8 +20,8 @@ import numpy as np
 
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.decoder import Decoder
-from conflux_jax.models.params import Params
-from pallas_kernels.cpu_gemm import blas_available
+from conflux_jax.models.params import Params, pack_linears
+from pallas_kernels.cpu_gemm import blas_available, packed_gemm_available
 
 # Prefill is priced at steps of up to this many tokens: the linears already run near the
 # CPU's matmul peak there, so larger steps gain nothing per token.
@@ -57,22 +57,37 @@ def _dense_fn(config: ModelConfig, lm_head: bool, linears: str = "xla"):
     return jax.jit(run)
 
 
+_last_packed: list[tuple[Params, Params]] = []  # (params, packed) of the last call
+
+
+def _packed(params: Params) -> Params:
+    """``params`` packed for the packed GEMM (once per params object: bounds repeat)."""
+    if not _last_packed or _last_packed[0][0] is not params:
+        _last_packed[:] = [(params, jax.device_put(pack_linears(jax.device_get(params))))]
+    return _last_packed[0][1]
+
+
 def dense_seconds(config: ModelConfig, params: Params, rows: int, lm_head: bool,
                   repeats: int = 5) -> float:
     """Fastest of ``repeats`` runs of the dense layers on ``rows`` tokens, with each way of
-    running the linears this host can (XLA's dot; OpenBLAS where it builds): a bound takes
-    the faster."""
+    running the linears this host can (XLA's dot; OpenBLAS and the packed GEMM where they
+    build): a bound takes the fastest."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal(
         (rows, config.hidden_size)), jnp.float32)
     positions = jnp.arange(rows, dtype=jnp.int32)
     best = float("inf")
-    for linears in ("xla", "blas") if blas_available()[0] else ("xla",):
-        fn = _dense_fn(config, lm_head, linears)
-        fn(params, x, positions).block_until_ready()  # compile
+    routes = {"xla": lambda: params}
+    if blas_available()[0]:
+        routes["blas"] = lambda: params
+    if packed_gemm_available()[0]:
+        routes["packed"] = lambda: _packed(params)
+    for linears, weights in routes.items():
+        fn, w = _dense_fn(config, lm_head, linears), weights()
+        fn(w, x, positions).block_until_ready()  # compile
 
         def once() -> float:
             t = time.perf_counter()
-            fn(params, x, positions).block_until_ready()  # noqa: B023 (called right here)
+            fn(w, x, positions).block_until_ready()  # noqa: B023 (called right here)
             return time.perf_counter() - t
 
         best = min(best, *(once() for _ in range(repeats)))

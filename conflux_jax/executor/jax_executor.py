@@ -16,7 +16,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -28,7 +27,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.executor import linears_choice
 from conflux_jax.executor.batch import (
     BatchLayout,
     Packed,
@@ -62,8 +60,8 @@ from conflux_jax.executor.step import (
     transfer_link_bytes,
 )
 from conflux_jax.latency.roofline import hardware_for_device_kind
-from conflux_jax.models.decoder import BLAS_MAX_ROWS, LINEARS
-from conflux_jax.models.params import Params, unstack_layers
+from conflux_jax.models.decoder import LINEARS
+from conflux_jax.models.params import Params, pack_linears, unstack_layers
 from conflux_jax.plan import (
     ExecutorLost,
     IterationPlan,
@@ -78,7 +76,7 @@ from conflux_jax.plan import (
 from conflux_jax.sampling import MAX_LOGIT_BIAS, mask_words
 from pallas_kernels._common import resolve_impl
 from pallas_kernels.cpu_attention import paged_attention_available
-from pallas_kernels.cpu_gemm import blas_available
+from pallas_kernels.cpu_gemm import blas_available, packed_gemm_available
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +100,10 @@ class ExecutorConfig:
     # the largest step's temporaries and the KV pool may use. None = 0.9 on an accelerator.
     gpu_memory_utilization: float | None = None
     device_memory_bytes: int | None = None  # one device's memory; None = ask the device
-    # How the linears run: "xla" (XLA's dot) or "blas" (OpenBLAS through an FFI call that
-    # reads each layer's weights in place, sparing XLA:CPU a copy of them per layer; fp32
-    # on the CPU). "auto" = where blas can run (CPU, fp32, the handler builds), whichever
-    # of the two runs this host's steps faster, measured once and remembered
-    # (executor/linears_choice.py: hosts of one kind disagree 2x either way); else xla.
+    # How the linears run: "xla" (XLA's dot), "packed" (our GEMM on weights packed in
+    # 32-column panels, reading each layer in place: fp32 on the CPU, tp=1; 1.1-3x XLA's
+    # dot at 1-256 rows, bench/RESULTS.md) or "blas" (OpenBLAS in place, fp32 on the
+    # CPU). "auto" = packed where it can run, else xla.
     linears: str = "auto"
     # Decode attention: "rpa" (the ragged paged attention kernel, ``attention_impl``) or
     # "cpu" (a C++ FFI handler reading each sequence's pages in place, fp32 on the CPU:
@@ -154,20 +151,27 @@ def _cpu_fp32_obstacle(platform: str, dtype: Any) -> str:
     return ""
 
 
-def resolve_linears(linears: str, platform: str, dtype: Any) -> str:
-    """"xla" or "blas" for ``ExecutorConfig.linears``; "blas" asked for where it cannot
-    run is refused with the reason."""
+def resolve_linears(linears: str, platform: str, dtype: Any, tp: int) -> str:
+    """The route for ``ExecutorConfig.linears``; one asked for where it cannot run is
+    refused with the reason."""
     if linears not in LINEAR_CHOICES:
         raise ValueError(f"linears must be one of {LINEAR_CHOICES}, got {linears!r}")
     if linears == "xla":
         return linears
-    why = _cpu_fp32_obstacle(platform, dtype) or blas_available()[1]
-    if not why:
-        return "blas"
     if linears == "blas":
-        raise ValueError(f"linears='blas' cannot run: {why}")
-    if platform == "cpu":
-        log.warning("linears: XLA's dot (OpenBLAS unavailable: %s)", why)
+        why = _cpu_fp32_obstacle(platform, dtype) or blas_available()[1]
+        if why:
+            raise ValueError(f"linears='blas' cannot run: {why}")
+        return linears
+    why = (_cpu_fp32_obstacle(platform, dtype)
+           or ("its panels are not split over tensor-parallel shards (tp=1 only)"
+               if tp > 1 else "") or packed_gemm_available()[1])
+    if not why:
+        return "packed"
+    if linears == "packed":
+        raise ValueError(f"linears='packed' cannot run: {why}")
+    if platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and tp == 1:
+        log.warning("linears: XLA's dot (the packed GEMM is unavailable: %s)", why)
     return "xla"
 
 
@@ -321,9 +325,9 @@ class JaxExecutor:
         self.model_config = config
         padded_config, padded_params = pad_heads(config, params, n * tp)
         self.layer_weights = resolve_layer_weights(ec.layer_weights, ec.linears, self.platform)
-        # Per-layer weights leave OpenBLAS no copy to spare: XLA's dot, unmeasured.
-        self.linears = "xla" if self.layer_weights == "per_layer" else resolve_linears(
-            ec.linears, self.platform, self.dtype)
+        self.linears = resolve_linears(ec.linears, self.platform, self.dtype, tp)
+        if self.layer_weights == "per_layer" and self.linears == "blas":
+            self.linears = "xla"  # per-layer weights leave OpenBLAS no copy to spare
         self.decode_attention, self.prefill_attention = (
             resolve_attention(option, getattr(ec, option), self.platform, self.dtype,
                               ec.attention_impl)
@@ -332,16 +336,10 @@ class JaxExecutor:
             "the CPU handler (KV pages read in place)" if a == "cpu"
             else "the ragged paged attention kernel"
             for a in (self.decode_attention, self.prefill_attention)))
-        measure_linears = ec.linears == "auto" and self.linears == "blas"
-        if measure_linears and (self.mesh_spec.size > 1 or sum(
-                np.size(a) for a in jax.tree.leaves(padded_params)) * self.dtype.itemsize
-                < linears_choice.MIN_MEASURED_WEIGHT_BYTES):
-            # Tiny models: neither route matters. Several CPU devices (simulated on one
-            # host's cores, or one per process): their timings share the cores, and every
-            # process must compile the same program.
-            self.linears, measure_linears = "xla", False
         if self.layer_weights == "per_layer":
             padded_params = unstack_layers(padded_params)
+        if self.linears == "packed":
+            padded_params = pack_linears(padded_params)
         self._param_specs = param_specs(padded_params)
         dtype = self.dtype
 
@@ -374,11 +372,7 @@ class JaxExecutor:
                                mask_words=mask_words(config.vocab_size),
                                history_len=ec.max_model_len, bias_width=MAX_LOGIT_BIAS)
 
-        # A route still to be measured is planned as XLA's dot, whose temporaries (a
-        # layer's weights per layer) are the larger: the pool fits either way.
-        self.memory = self._plan_memory(
-            (lambda n: dataclasses.replace(step_config(n), linears="xla"))
-            if measure_linears else step_config, layout)
+        self.memory = self._plan_memory(step_config, layout)
         num_pages = self._agree(self.memory.num_pages)
         if num_pages != self.memory.num_pages:
             self.memory = dataclasses.replace(self.memory, num_pages=num_pages)
@@ -401,8 +395,6 @@ class JaxExecutor:
         self._steady: _SteadyDecodes | None = None  # the last decode-only batch
         self._compiled: dict[StepShape, Any] = {}  # the forward per step shape
         self._samplers: dict[int, Any] = {}  # the sampler per sampling-row count R
-        if measure_linears:
-            self._choose_linears()
         self.guard = CompileGuard()
         self.last_transfer_bytes = 0  # link bytes of the last step's KV transfer
         self.clock_start = time.perf_counter()
@@ -528,65 +520,6 @@ class JaxExecutor:
 
     def now(self) -> float:
         return time.perf_counter()
-
-    # ------------------------------------------------------------------ linears route
-    def _choose_linears(self) -> None:
-        """``linears="auto"`` where OpenBLAS can run: the faster route on this host's real
-        steps (a decode step and a prefill chunk of the sizes OpenBLAS would take), timed
-        once per host and model and remembered (``linears_choice``)."""
-        shapes = []
-        decode = [d for d in self.buckets.decode if 2 <= d <= 16]
-        if decode:
-            shapes.append(self.planner.shape_for(0, decode[-1], decode[-1], 1))
-        tokens = [t for t in self.buckets.tokens if 2 <= t <= BLAS_MAX_ROWS]
-        if tokens:
-            shapes.append(self.planner.shape_for(tokens[-1], 0, tokens[-1], 1))
-        key = linears_choice.choice_key(
-            f"{self.step_config.model}|{self.dtype}|{self.mesh_spec}|{self.exec_config.page_size}",
-            [str(s) for s in shapes])
-        choice = linears_choice.recall(key)
-        if choice is None:
-            seconds, compiled = self._time_linears(shapes)
-            choice = linears_choice.LinearsChoice(linears_choice.pick(seconds), seconds,
-                                                  cached=False)
-            linears_choice.remember(key, choice, linears_choice.host_fingerprint())
-            self._compiled.update(compiled[choice.linears])
-        log.info("linears: %s (XLA's dot %.0f ms, OpenBLAS %.0f ms on this host's decode "
-                 "and prefill steps%s)", choice.linears, 1e3 * choice.seconds["xla"],
-                 1e3 * choice.seconds["blas"], ", measured earlier" if choice.cached else "")
-        self._set_linears(choice.linears)
-
-    def _set_linears(self, linears: str) -> None:
-        if linears != self.linears:
-            self.linears = linears
-            self.step_config = dataclasses.replace(self.step_config, linears=linears)
-            self._step = build_step(self.step_config, self.mesh, self._param_specs)
-
-    def _time_linears(self, shapes: list[StepShape], rounds: int = 3
-                      ) -> tuple[dict[str, float], dict[str, dict[StepShape, Any]]]:
-        """Each route's summed median time over ``shapes`` (padding batches: the same
-        GEMMs and attention shapes as real ones), interleaved so that a slow phase of a
-        shared host hits both; and each route's compiled steps."""
-        compiled = {lin: {s: build_step(dataclasses.replace(self.step_config, linears=lin),
-                                        self.mesh, self._param_specs)
-                          .forward.lower(*self._abstract_args(s)).compile() for s in shapes}
-                    for lin in LINEARS}
-        batches = {s: self._put_forward(StepBatch.padding(s, self.layout)) for s in shapes}
-        runs: dict[str, dict[StepShape, list[float]]] = {
-            lin: {s: [] for s in shapes} for lin in LINEARS}
-        for _ in range(rounds + 1):  # the first round warms up, unrecorded below
-            for lin in LINEARS:
-                for s in shapes:
-                    t = time.perf_counter()
-                    out = compiled[lin][s](self.params, self.k_pool, self.v_pool,
-                                           *batches[s])
-                    jax.block_until_ready(out.logits)
-                    runs[lin][s].append(time.perf_counter() - t)
-                    self.k_pool, self.v_pool = out.k_pool, out.v_pool
-        self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()  # as before
-        seconds = {lin: sum(statistics.median(r[1:]) for r in runs[lin].values())
-                   for lin in LINEARS}
-        return seconds, compiled
 
     # ------------------------------------------------------------------ compilation
     def _put_forward(self, batch: StepBatch) -> tuple[Packed, Packed]:

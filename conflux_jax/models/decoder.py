@@ -22,16 +22,24 @@ import numpy as np
 from flax import nnx
 
 from conflux_jax.config import ModelConfig
-from conflux_jax.models.params import Params, layers_unstacked, param_shapes, validate_params
+from conflux_jax.models.params import (
+    Params,
+    layers_unstacked,
+    linears_packed,
+    param_shapes,
+    validate_params,
+)
 from conflux_jax.models.rope import apply_rope, inverse_frequencies
-from pallas_kernels.cpu_gemm import stacked_matmul
+from pallas_kernels.cpu_gemm import PANEL, packed_matmul, stacked_matmul
 
 KV = TypeVar("KV")  # whatever KV state an attention backend carries through the layers
 
 # attend(layer, q f[..., Hq, d], k f[..., Hkv, d], v f[..., Hkv, d], kv) -> (o f[..., Hq, d], kv)
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
-LINEARS = ("xla", "blas")  # how the linears run: XLA's dot, or OpenBLAS in place (CPU)
+# How the linears run: XLA's dot; OpenBLAS in place (CPU); our GEMM on weights packed in
+# 32-column panels (CPU, ``models.params.pack_linears``; the LM head too).
+LINEARS = ("xla", "blas", "packed")
 # Token rows for which "blas" calls OpenBLAS; XLA's dot takes the rest. SmolLM2's 30 dense
 # layers in a scan on a 2-core AVX2 host (bench/linears_rows.py): through OpenBLAS 1.3x
 # faster at 2 rows, 1.6-1.8x at 3-32, 1.4x at 64, 1.1x at 128; slower at one row (XLA's
@@ -103,8 +111,12 @@ class Decoder(nnx.Module):
 
     # ----------------------------------------------------------------- forward pieces
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """tokens i32[...] -> f[..., D]."""
-        return jnp.take(self.embed[...], tokens, axis=0)
+        """tokens i32[...] -> f[..., D]. Tied embeddings held packed as the LM head
+        (f[ceil(V/32), D, 32]) are read from there: token t is column t % 32 of panel t // 32."""
+        embed = self.embed[...]
+        if embed.ndim == 3:
+            return embed[tokens // PANEL, :, tokens % PANEL]
+        return jnp.take(embed, tokens, axis=0)
 
     def run_layers(
         self,
@@ -128,7 +140,12 @@ class Decoder(nnx.Module):
         """
         if linears not in LINEARS:
             raise ValueError(f"linears must be one of {LINEARS}, got {linears!r}")
+        packed = linears_packed(self.params_layout())
+        if packed != (linears == "packed"):
+            raise ValueError(f"linears={linears!r} on weights {'' if packed else 'not '}packed "
+                             "(models.params.pack_linears): linears='packed' reads packed ones")
         cfg = self.config
+        out_features = self.out_features()
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
         unrolled = isinstance(self.layers, nnx.List)
@@ -159,12 +176,17 @@ class Decoder(nnx.Module):
             h = h + _all_reduce(ffn, tp_axis)
             return h, kv
 
+        def packed_linear(a: jax.Array, w: jax.Array, layer: jax.Array | int,
+                          name: str) -> jax.Array:
+            return packed_matmul(a, w, layer, out_features[name]).astype(a.dtype)
+
         if unrolled:
             carry = (x, kv)
             for i, layer_weights in enumerate(self.layers):
                 weights = layer_weights.weights()  # this layer's own arrays
                 carry = block(carry, i, weights.__getitem__,
-                              lambda a, name, w=weights: linear(a, w[name]))
+                              (lambda a, name, w=weights: packed_linear(a, w[name], 0, name))
+                              if packed else (lambda a, name, w=weights: linear(a, w[name])))
             return carry
 
         blas = linears == "blas"
@@ -174,6 +196,8 @@ class Decoder(nnx.Module):
             # Every weight stays stacked, a loop constant: OpenBLAS reads its layer in place;
             # the rest take theirs by ``[layer]`` (what scanning the weights would slice).
             def lin(a: jax.Array, name: str) -> jax.Array:
+                if packed:
+                    return packed_linear(a, stacked[name], layer, name)
                 if blas and BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
                     return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
                 return linear(a, stacked[name][layer])
@@ -187,10 +211,29 @@ class Decoder(nnx.Module):
     def logits(self, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
         """x f[..., D] -> f32[..., V]: final norm and LM head (tied head = embedding^T).
         XLA's dot even with ``linears="blas"``: the head is not stacked, so there is no copy
-        to spare, and OpenBLAS was no faster at 16-64 rows (3x slower at one)."""
+        to spare, and OpenBLAS was no faster at 16-64 rows (3x slower at one). A packed
+        head (``pack_linears``) runs on the packed GEMM."""
         h = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-        head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+        head = self.lm_head[...] if self.lm_head is not None else self.embed[...]
+        if head.ndim == 3:  # packed f[ceil(V/32), D, 32]
+            return packed_matmul(h.astype(jnp.float32), head, 0, self.config.vocab_size)
+        if self.lm_head is None:
+            head = head.T
         return jnp.matmul(h, head, preferred_element_type=jnp.float32)
+
+    def out_features(self) -> dict[str, int]:
+        """Each layer matrix's output columns (packed weights pad them to panels)."""
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return {"wq": q, "wk": kv, "wv": kv, "wo": c.hidden_size, "w_gate": c.intermediate_size,
+                "w_up": c.intermediate_size, "w_down": c.hidden_size}
+
+    def params_layout(self) -> dict[str, Any]:
+        """The layer weights (stacked, or the first layer's when per layer), for
+        ``models.params`` predicates."""
+        if isinstance(self.layers, nnx.List):
+            return {"layers": (self.layers[0].weights(),)}
+        return {"layers": self.layers.weights()}
 
 
 def _all_reduce(x: jax.Array, axis: str | None) -> jax.Array:

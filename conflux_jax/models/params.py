@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from conflux_jax.config import ModelConfig
 
 Params = dict[str, Any]  # nested dict of arrays, layout above
@@ -105,3 +107,36 @@ def unstack_layers(params: Params) -> Params:
 
 def layers_unstacked(params: Mapping[str, Any]) -> bool:
     return not isinstance(params["layers"], Mapping)
+
+
+PACKED_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def pack_linears(params: Params) -> Params:
+    """``params`` with every matrix the packed GEMM reads packed into 32-column panels
+    (``pallas_kernels.cpu_gemm.pack_weight``): the layer matrices (``wq`` f[L, P, D, 32])
+    and the LM head, f[ceil(V/32), D, 32]. Tied embeddings are stored once, as that packed
+    head (``Decoder.embed_tokens`` reads token rows out of it). Host (numpy) arrays."""
+    from pallas_kernels.cpu_gemm import pack_weight
+
+    if linears_packed(params):
+        raise ValueError("the linears are already packed")
+
+    def pack_layer(weights: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: pack_weight(w) if k in PACKED_LINEARS else w for k, w in weights.items()}
+
+    layers = params["layers"]
+    out = {**params, "layers": tuple(pack_layer(w) for w in layers)
+           if layers_unstacked(params) else pack_layer(layers)}
+    if "lm_head" in params:
+        out["lm_head"] = pack_weight(params["lm_head"])
+    else:
+        out["embed"] = pack_weight(np.asarray(params["embed"]).T)
+    return out
+
+
+def linears_packed(params: Mapping[str, Any]) -> bool:
+    """Whether ``params`` holds its linears packed (``pack_linears``)."""
+    layers = params["layers"]
+    wq = (layers[0] if not isinstance(layers, Mapping) else layers)["wq"]
+    return wq.ndim == (3 if not isinstance(layers, Mapping) else 4)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_gemm import load_handler, loads
+from pallas_kernels.cpu_gemm.stacked_gemm import PARALLEL_HEADER, load_handler, loads
 
 __all__ = ["paged_attention_available", "paged_decode", "paged_prefill"]
 
@@ -47,9 +47,9 @@ _FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pth
 @functools.cache
 def _load() -> ctypes.CDLL:
     load_handler(_SOURCE, "ConfluxPagedDecode", DECODE_TARGET, [jax.ffi.include_dir()],
-                 _FLAGS)
+                 _FLAGS, headers=(PARALLEL_HEADER,))
     return load_handler(_SOURCE, "ConfluxPagedPrefill", PREFILL_TARGET,
-                        [jax.ffi.include_dir()], _FLAGS)
+                        [jax.ffi.include_dir()], _FLAGS, headers=(PARALLEL_HEADER,))
 
 
 @functools.cache

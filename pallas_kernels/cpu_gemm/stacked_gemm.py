@@ -39,6 +39,8 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 TARGET = "conflux_stacked_gemm"
 _SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 _FLAGS = ("-O2",)
+# Work split over XLA's thread pool, shared by the CPU handlers (cpu_gemm, cpu_attention).
+PARALLEL_HEADER = Path(__file__).parent.parent / "cpu_parallel.h"
 
 
 def kernel_cache_dir() -> Path:
@@ -79,9 +81,13 @@ def handler_key(source: Path, flags: tuple[str, ...], *versions: str) -> str:
 
 def load_handler(source: Path, symbol: str, target: str, include: list[str],
                  flags: tuple[str, ...] = ("-O2",), lib_dir: str | None = None,
-                 lib: str | None = None, versions: tuple[str, ...] = ()) -> ctypes.CDLL:
+                 lib: str | None = None, versions: tuple[str, ...] = (),
+                 headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
     """Build ``source`` into the kernel cache (once per ``handler_key``), load it and
-    register its ``symbol`` with XLA as the CPU FFI target ``target``."""
+    register its ``symbol`` with XLA as the CPU FFI target ``target``. ``headers``: our
+    own headers it includes (their folders join ``include``, their text the key)."""
+    include = [*include, *sorted({str(h.parent) for h in headers})]
+    versions = (*versions, *(hashlib.sha256(h.read_bytes()).hexdigest()[:16] for h in headers))
     path = kernel_cache_dir() / f"{source.stem}-{handler_key(source, flags, *versions)}.so"
     if not path.exists():
         build_handler(source, path, include, lib_dir, lib, flags)

@@ -41,14 +41,16 @@ def test_bound_prices_prefill_steps_and_decode_steps(monkeypatch, c, prompt_len,
 
 
 @pytest.mark.parametrize(("linears", "t"), [("xla", 5), ("blas", 5), ("blas", BLAS_MAX_ROWS + 3),
-                                             ("blas", BLAS_MIN_ROWS - 1)])  # XLA's dot again
+                                             ("blas", BLAS_MIN_ROWS - 1),  # XLA's dot again
+                                             ("packed", 5)])
 def test_dense_fn_is_the_model_with_attention_as_identity(linears, t):
     cfg, params = TINY_LLAMA, random_params(TINY_LLAMA, seed=0)
     model = Decoder.from_params(cfg, params)
     dim = cfg.hidden_size
     x = jnp.asarray(np.random.default_rng(1).standard_normal((t, dim)), jnp.float32)
     pos = jnp.arange(t, dtype=jnp.int32)
-    got = db._dense_fn(cfg, lm_head=True, linears=linears)(params, x, pos)
+    weights = db._packed(params) if linears == "packed" else params
+    got = db._dense_fn(cfg, lm_head=True, linears=linears)(weights, x, pos)
     # Oracle: the same blocks written out from the weights, attention output = q.
     w = {k: np.asarray(v) for k, v in model.layers.weights().items()}
     eps = model.config.rms_norm_eps

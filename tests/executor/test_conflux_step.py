@@ -22,8 +22,8 @@ BUCKETS = BucketConfig(tokens=(8, 32), decode=(8,), decode_pages=(32,), transfer
                        max_prefill_seqs=4)
 
 
-# OpenBLAS where it runs: "auto" would pick XLA's dot for these tiny models.
-CPU_LINEARS = "blas" if jax.default_backend() == "cpu" else "auto"
+CPU_LINEARS = "auto"  # on the CPU in fp32: the packed GEMM (tp=1), else XLA's dot
+CPU_BLAS = "blas" if jax.default_backend() == "cpu" else "auto"
 
 
 def make_executor(config, mesh, params, linears=CPU_LINEARS, layer_weights="auto"):
@@ -36,16 +36,16 @@ def make_executor(config, mesh, params, linears=CPU_LINEARS, layer_weights="auto
     return JaxExecutor(config, params, ec)
 
 
-# OpenBLAS is covered on an sp and a tp mesh; the mixed mesh runs XLA's dot, what "auto"
-# takes on every multi-device mesh, and the kernel's XLA form of decode attention.
+# The packed GEMM ("auto" at tp=1) runs the sp meshes, OpenBLAS the tp one; the mixed mesh
+# runs XLA's dot, what "auto" takes with tp > 1, and the kernel's XLA form of attention.
 # Per-layer weights (the accelerators' default) run unrolled, with TP-sharded weights.
 CASES = {  # name: (config, mesh, iteration mode[, linears[, layer weights]]); on CPU
-    "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),  # default OpenBLAS
+    "llama-sp4": (TINY_LLAMA, "sp=4,tp=1", "conflux"),
     "llama-sp2-tp2-xla-linears": (TINY_LLAMA, "sp=2,tp=2", "conflux", "xla"),
     "qwen3-sp2-tp2-per-layer": (TINY_QWEN3, "sp=2,tp=2", "conflux", "xla", "per_layer"),
     "qwen3-sp4": (TINY_QWEN3, "sp=4,tp=1", "conflux"),
     "smol-padded-sp4": (TINY_SMOL, "sp=4,tp=1", "conflux"),
-    "baseline-tp4-chunked": (TINY_LLAMA, "sp=1,tp=4", "conflux"),
+    "baseline-tp4-chunked": (TINY_LLAMA, "sp=1,tp=4", "conflux", CPU_BLAS),
     "baseline-isolated-sp4": (TINY_QWEN3, "sp=4,tp=1", "isolated"),
 }
 _executors: dict[tuple, tuple] = {}

@@ -21,7 +21,7 @@ MIB = 1 << 20
 
 
 def _executor(**kw) -> JaxExecutor:
-    return JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**SMALL_STEP, **kw))
+    return JaxExecutor(TINY_LLAMA, PARAMS, ExecutorConfig(**{**SMALL_STEP, **kw}))
 
 
 def test_pool_is_what_memory_leaves_after_weights_and_the_largest_step(caplog) -> None:
@@ -58,12 +58,18 @@ def test_cpu_keeps_its_page_count_unless_asked() -> None:
 
 
 def test_linears_the_host_cannot_run_are_refused() -> None:
-    # auto on a tiny model: XLA's dot, unmeasured (test_linears_choice.py)
-    assert _executor().step_config.linears == "xla"
+    # auto on the CPU in fp32: the packed GEMM, its weights packed
+    ex = _executor()
+    assert ex.step_config.linears == "packed" and ex.params["layers"]["wq"].ndim == 4
     assert _executor(linears="blas").step_config.linears == "blas"  # fp32 on the CPU
     with pytest.raises(ValueError, match="linears must be one of"):
         _executor(linears="onednn")
     with pytest.raises(ValueError, match="linears='blas' cannot run: it is fp32 only"):
         _executor(linears="blas", dtype="bfloat16")
-    # auto falls back to XLA's dot where OpenBLAS cannot run.
+    with pytest.raises(ValueError, match="linears='packed' cannot run: it is fp32 only"):
+        _executor(linears="packed", dtype="bfloat16")
+    if jax.device_count() >= 2:
+        with pytest.raises(ValueError, match=r"linears='packed' cannot run: .*tp=1 only"):
+            _executor(linears="packed", mesh="sp=1,tp=2")
+    # auto falls back to XLA's dot where the packed GEMM cannot run.
     assert _executor(dtype="bfloat16").step_config.linears == "xla"

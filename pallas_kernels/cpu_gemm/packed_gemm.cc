@@ -1,0 +1,176 @@
+// out f32[M, n] = x f32[M, K] @ W, W held packed: w f32[L, P, K, 32] (P = ceil(n / 32)
+// panels of 32 output columns, each K x 32 contiguous; columns past n are zero), layer
+// ``layer`` of L. XLA FFI, fp32, the CPU.
+//
+// Why packed: a decode step's GEMMs have few rows (1-64), so they stream their weights
+// from memory once and are bound by how fast one core pulls them. A panel read front to back
+// is one sequential stream the core can prefetch far ahead; W's plain [K, N] rows would be
+// K strided streams. Each 32-column panel is split into blocks of kKBlock rows of K: the
+// first row tile streams a block in from memory (prefetching kPrefetchFloats ahead), the
+// other row tiles of x find it in L1. Panels are split over XLA's thread pool.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 32;             // output columns of a panel
+constexpr int64_t kKBlock = 256;           // rows of K per block (32 KiB of a panel)
+constexpr int64_t kPrefetchFloats = 4096;  // 16 KiB ahead of the streaming row tile
+constexpr int64_t kMinWorkPerPart = 1 << 20;  // weight floats x (rows + 4) per thread
+
+struct Problem {
+  const float* x;  // f32[M, K]
+  const float* w;  // f32[P, K, 32] one layer
+  float* out;      // f32[M, n]
+  int64_t m, k, n, panels;
+};
+
+}  // namespace
+
+// The kernel once per ISA, each in its own namespace under its own target: V is the
+// widest vector (lanes floats), MR the rows of a register tile (accumulators MR x 32/lanes
+// plus 32/lanes weight vectors fit the ISA's registers).
+#define CONFLUX_GEMM_ISA(NS, TARGET, LANES, MR_MAX)                                         \
+  namespace NS {                                                                           \
+  typedef float V __attribute__((vector_size(LANES * 4), aligned(4), may_alias));          \
+  constexpr int kLanes = LANES, kVecs = kPanel / LANES, kMaxRows = MR_MAX;                 \
+                                                                                           \
+  /* out[r, 0:32] (+)= x[r, k0:k0+kn] @ panel[k0:k0+kn, :] for MR rows r. */               \
+  template <int MR>                                                                        \
+  __attribute__((target(TARGET), noinline)) void Tile(                                     \
+      const float* x, int64_t ldx, const float* panel, int64_t kn, float* out,              \
+      int64_t ldo, bool first, bool stream) {                                              \
+    V acc[MR][kVecs];                                                                      \
+    for (int r = 0; r < MR; ++r)                                                           \
+      for (int v = 0; v < kVecs; ++v)                                                      \
+        acc[r][v] = first ? V{} : *reinterpret_cast<const V*>(out + r * ldo + v * kLanes); \
+    for (int64_t k = 0; k < kn; ++k) {                                                     \
+      const float* row = panel + k * kPanel;                                               \
+      if (stream) {                                                                        \
+        __builtin_prefetch(row + kPrefetchFloats, 0, 3);                                   \
+        __builtin_prefetch(row + kPrefetchFloats + 16, 0, 3);                              \
+      }                                                                                    \
+      V w[kVecs];                                                                          \
+      for (int v = 0; v < kVecs; ++v) w[v] = *reinterpret_cast<const V*>(row + v * kLanes); \
+      _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                              \
+        const float s = x[r * ldx + k];                                                    \
+        for (int v = 0; v < kVecs; ++v) acc[r][v] += w[v] * s;                             \
+      }                                                                                    \
+    }                                                                                      \
+    for (int r = 0; r < MR; ++r)                                                           \
+      for (int v = 0; v < kVecs; ++v)                                                      \
+        *reinterpret_cast<V*>(out + r * ldo + v * kLanes) = acc[r][v];                     \
+  }                                                                                        \
+                                                                                           \
+  template <int MR>                                                                        \
+  void Rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kn,      \
+            float* out, int64_t ldo, bool first, bool stream) {                            \
+    if constexpr (MR > 0) {                                                                \
+      if (rows == MR) return Tile<MR>(x, ldx, panel, kn, out, ldo, first, stream);         \
+      Rows<MR - 1>(rows, x, ldx, panel, kn, out, ldo, first, stream);                      \
+    }                                                                                      \
+  }                                                                                        \
+                                                                                           \
+  /* Panels [p0, p1) of the product. */                                                    \
+  void Panels(const Problem& pr, int64_t p0, int64_t p1) {                                 \
+    std::vector<float> tail;  /* the last panel's rows when n is not a multiple of 32 */  \
+    for (int64_t p = p0; p < p1; ++p) {                                                    \
+      const bool partial = (p + 1) * kPanel > pr.n;                                        \
+      if (partial) tail.assign(pr.m * kPanel, 0.0f);                                       \
+      float* out = partial ? tail.data() : pr.out + p * kPanel;                            \
+      const int64_t ldo = partial ? kPanel : pr.n;                                         \
+      const float* panel = pr.w + p * pr.k * kPanel;                                       \
+      for (int64_t k0 = 0; k0 < pr.k; k0 += kKBlock) {                                     \
+        const int64_t kn = std::min(kKBlock, pr.k - k0);                                   \
+        for (int64_t r = 0; r < pr.m; r += kMaxRows) {                                     \
+          Rows<kMaxRows>(std::min<int64_t>(kMaxRows, pr.m - r), pr.x + r * pr.k + k0, pr.k, \
+                         panel + k0 * kPanel, kn, out + r * ldo, ldo, k0 == 0, r == 0);     \
+        }                                                                                  \
+      }                                                                                    \
+      if (partial) {                                                                       \
+        const int64_t cols = pr.n - p * kPanel;                                            \
+        for (int64_t r = 0; r < pr.m; ++r)                                                 \
+          std::memcpy(pr.out + r * pr.n + p * kPanel, tail.data() + r * kPanel,            \
+                      cols * sizeof(float));                                               \
+      }                                                                                    \
+    }                                                                                      \
+  }                                                                                        \
+  }  // namespace NS
+
+#if defined(__x86_64__) && defined(__GNUC__)
+CONFLUX_GEMM_ISA(avx512, "avx512f", 16, 8)
+CONFLUX_GEMM_ISA(avx2, "avx2,fma", 8, 2)
+#endif
+CONFLUX_GEMM_ISA(generic, "default", 4, 2)
+
+namespace {
+
+using PanelsFn = void (*)(const Problem&, int64_t, int64_t);
+
+// The host's widest kernel; $CONFLUX_GEMM_ISA (avx2 or generic) picks a narrower one, so
+// that tests run every kernel on a wide host. Read per call: a getenv is nothing next to a
+// GEMM.
+PanelsFn HostPanels() {
+  const char* forced = std::getenv("CONFLUX_GEMM_ISA");
+  const std::string want = forced ? forced : "";
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (want.empty() || want == "avx512") {
+    if (__builtin_cpu_supports("avx512f")) return avx512::Panels;
+  }
+  if (want.empty() || want == "avx512" || want == "avx2") {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::Panels;
+  }
+#endif
+  return generic::Panels;
+}
+
+ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  const PanelsFn panels_fn = HostPanels();
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[3] != kPanel) {
+    return ffi::Error::InvalidArgument(
+        "packed_gemm: x must be f32[M, K], w f32[L, P, K, 32], out f32[M, n]");
+  }
+  Problem pr{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], od[1], wd[1]};
+  if (wd[2] != pr.k || od[0] != pr.m || pr.n > pr.panels * kPanel ||
+      pr.n <= (pr.panels - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("packed_gemm: inconsistent shapes");
+  }
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed_gemm: layer out of range");
+  if (pr.m == 0 || pr.n == 0) return ffi::Error::Success();
+  pr.w = w.typed_data() + static_cast<int64_t>(l) * pr.panels * pr.k * kPanel;
+  if (pr.k == 0) {
+    std::memset(pr.out, 0, sizeof(float) * pr.m * pr.n);
+    return ffi::Error::Success();
+  }
+  const int64_t total = pr.panels * pr.k * kPanel * (pr.m + 4);
+  const int64_t parts = std::min(conflux::PartsFor(pool, total, kMinWorkPerPart), pr.panels);
+  auto run = [&](int64_t part) {
+    panels_fn(pr, pr.panels * part / parts, pr.panels * (part + 1) / parts);
+  };
+  conflux::RunParts(pool, parts, run);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w packed
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,112 @@
+"""The CPU's dense GEMM on packed weights: ``x @ w[layer]`` as an XLA FFI call.
+
+A CPU decode step multiplies 1-64 token rows by every weight matrix: bound by how fast the
+weights stream in from memory, where XLA:CPU's dot reached ~15-22 GB/s of a host's ~40
+(bench/RESULTS.md, "Dense layers through a packed-weight GEMM"). The weights are therefore
+held packed: ``w f32[..., K, N]`` becomes ``f32[..., P, K, 32]``, P = ceil(N / 32) panels of
+32 output columns, each one contiguous stream (columns past N are zero). The C++ handler
+(``packed_gemm.cc``) reads a panel front to back with prefetches far ahead and keeps each
+block of it in L1 for all the rows; panels are split over XLA's thread pool. It serves
+every row count: at 256 rows it runs at ~85% of the cores' FMA peak, as fast as XLA's dot.
+
+The handler is built on first use with the system C++ compiler into the kernel cache
+(``kernel_cache_dir``), with a kernel for AVX-512, AVX2 and plain vectors, picked per host
+when called. ``packed_matmul_xla`` is the same contract in ``jnp`` (the tests' second
+oracle beside numpy, and the route on other platforms).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu_gemm.stacked_gemm import PARALLEL_HEADER, load_handler, loads
+
+__all__ = ["PANEL", "pack_weight", "packed_gemm_available", "packed_matmul",
+           "packed_matmul_xla", "unpack_weight"]
+
+PANEL = 32  # output columns of a panel (the kernel's kPanel)
+TARGET = "conflux_packed_gemm"
+_SOURCE = Path(__file__).with_name("packed_gemm.cc")
+# -std=c++17 turns FMA contraction off; the kernel's multiply-adds are written to be fused.
+_FLAGS = ("-O3", "-ffp-contract=fast", "-pthread")
+
+
+@functools.cache
+def _load() -> ctypes.CDLL:
+    return load_handler(_SOURCE, "ConfluxPackedGemm", TARGET, [jax.ffi.include_dir()],
+                        _FLAGS, headers=(PARALLEL_HEADER,))
+
+
+@functools.cache
+def packed_gemm_available() -> tuple[bool, str]:
+    """(whether ``packed_matmul`` can run in this process, why not): a CPU backend and a
+    C++ compiler that builds the handler."""
+    if jax.default_backend() != "cpu":
+        return False, f"the default backend is {jax.default_backend()}, not cpu"
+    return loads(_load)
+
+
+def pack_weight(w: Any) -> np.ndarray:
+    """f[..., K, N] -> f[..., P, K, 32]: 32-column panels, zero past N (numpy, so that
+    loaders' host arrays are packed before they reach the device)."""
+    w = np.asarray(w)
+    *lead, k, n = w.shape
+    panels = -(-n // PANEL)
+    padded = np.zeros((*lead, k, panels * PANEL), w.dtype)
+    padded[..., :n] = w
+    return np.ascontiguousarray(
+        np.moveaxis(padded.reshape(*lead, k, panels, PANEL), -2, -3))
+
+
+def unpack_weight(wp: Any, n: int) -> Any:
+    """The inverse of ``pack_weight`` (``jnp`` or numpy, as given): f[..., K, n]."""
+    xp = jnp if isinstance(wp, jax.Array) else np
+    *lead, panels, k, panel = wp.shape
+    return xp.moveaxis(wp, -3, -2).reshape(*lead, k, panels * panel)[..., :n]
+
+
+def _check(x: jax.Array, wp: jax.Array, n: int) -> None:
+    if wp.ndim not in (3, 4) or wp.shape[-1] != PANEL:
+        raise ValueError(f"w must be packed f32[(L,) P, K, {PANEL}], got shape {wp.shape}")
+    if x.shape[-1] != wp.shape[-2]:
+        raise ValueError(f"x's last axis is {x.shape[-1]}, w contracts {wp.shape[-2]}")
+    if -(-n // PANEL) != wp.shape[-3]:
+        raise ValueError(f"n={n} columns do not fill {wp.shape[-3]} panels of {PANEL}")
+
+
+def packed_matmul(
+    x: jax.Array,  # f32[..., K]
+    wp: jax.Array,  # f32[L, P, K, 32] stacked layers, or f32[P, K, 32] one matrix
+    layer: jax.Array | int,  # i32[] which of the L matrices (0 for one matrix)
+    n: int,  # output columns (P = ceil(n / 32))
+) -> jax.Array:  # f32[..., n]
+    """``x @ w[layer]`` on packed ``w`` by the C++ handler, reading the layer in place
+    (``packed_gemm_available`` must hold)."""
+    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
+        raise ValueError(f"packed_matmul is fp32 only, got {x.dtype} @ {wp.dtype}")
+    _check(x, wp, n)
+    _load()
+    if wp.ndim == 3:
+        wp = wp[None]
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    out = call(x.reshape(rows, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1))
+    return out.reshape(*lead, n)
+
+
+def packed_matmul_xla(x: jax.Array, wp: jax.Array, layer: jax.Array | int,
+                      n: int) -> jax.Array:
+    """The same product in plain ``jnp`` with fp32 sums: the panels unpacked, then a dot."""
+    _check(x, wp, n)
+    if wp.ndim == 4:
+        wp = jax.lax.dynamic_index_in_dim(wp, jnp.asarray(layer, jnp.int32), keepdims=False)
+    return jnp.matmul(x, unpack_weight(wp, n), preferred_element_type=jnp.float32)

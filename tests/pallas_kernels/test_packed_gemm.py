@@ -1,0 +1,114 @@
+"""The packed-weight GEMM (an XLA FFI call) equals numpy's float64 product of the same layer
+for every kernel (AVX-512, AVX2, plain vectors), row count, panel remainder and K block;
+packing round-trips; what it cannot do is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.cpu_gemm import (
+    PANEL,
+    pack_weight,
+    packed_gemm_available,
+    packed_matmul,
+    packed_matmul_xla,
+    unpack_weight,
+)
+
+pytestmark = pytest.mark.skipif(not packed_gemm_available()[0],
+                                reason=f"packed GEMM: {packed_gemm_available()[1]}")
+
+RNG = np.random.default_rng(0)
+ISAS = ["", "avx2", "generic"]  # "": the host's widest kernel
+_matmul = jax.jit(packed_matmul, static_argnums=3)
+
+
+def _rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _check(x, w, layer, isa, monkeypatch):
+    monkeypatch.setenv("CONFLUX_GEMM_ISA", isa)  # read by the handler on every call
+    n = w.shape[-1]
+    got = np.asarray(_matmul(x, jnp.asarray(pack_weight(w)), jnp.int32(layer), n))
+    want = x.astype(np.float64) @ w[layer].astype(np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(x.shape[-1]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("rows", "k", "n"), [
+    ((1,), 48, 32), ((7,), 48, 70), ((16,), 300, 96), ((2, 9), 64, 5), ((0,), 16, 32),
+    ((33,), 520, 64),  # three K blocks (256 rows each), row tiles of 8 and a remainder
+])
+def test_matches_numpy_for_every_layer_and_kernel(rows, k, n, isa, monkeypatch):
+    w = _rand(3, k, n)
+    x = _rand(*rows, k)
+    for layer in range(3):
+        _check(x, w, layer, isa, monkeypatch)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 150),
+       isa=st.sampled_from(ISAS))
+def test_random_shapes(m, k, n, isa):
+    with pytest.MonkeyPatch.context() as mp:
+        _check(_rand(m, k), _rand(2, k, n), 1, isa, mp)
+
+
+def test_one_matrix_and_the_jnp_form():
+    """A 3-D packed matrix (the LM head) is layer 0; packed_matmul_xla is the same product."""
+    x, w = _rand(5, 40), _rand(40, 100)
+    wp = jnp.asarray(pack_weight(w))
+    assert wp.shape == (4, 40, PANEL)
+    np.testing.assert_allclose(np.asarray(packed_matmul(x, wp, 0, 100)), x @ w,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(packed_matmul_xla(x, wp, 0, 100)), x @ w,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_packing_round_trips_with_zero_padding():
+    w = _rand(2, 3, 70)
+    wp = pack_weight(w)
+    assert wp.shape == (2, 3, 3, PANEL)
+    np.testing.assert_array_equal(unpack_weight(wp, 70), w)
+    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(wp), 70)), w)
+    np.testing.assert_array_equal(wp[:, 2, :, 70 - 2 * PANEL:], 0)
+    np.testing.assert_array_equal(wp[0, 1, 2], w[0, 2, PANEL:2 * PANEL])
+
+
+def test_inside_a_layer_scan_reads_each_layer():
+    """The decoder's use: the stack a loop constant, the layer the scanned index."""
+    w = _rand(4, 32, 32) * 0.2
+    wp = jnp.asarray(pack_weight(w))
+    h0 = _rand(6, 32)
+
+    def body(h, layer):
+        return jnp.tanh(packed_matmul(h, wp, layer, 32)), None
+
+    got = jax.jit(lambda h: jax.lax.scan(body, h, jnp.arange(4, dtype=jnp.int32))[0])(h0)
+    want = h0
+    for layer in range(4):
+        want = np.tanh(want @ w[layer])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_out_of_range_fails_the_call():
+    wp = jnp.asarray(pack_weight(_rand(2, 8, 32)))
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(_matmul(_rand(3, 8), wp, jnp.int32(2), 32))
+
+
+def test_what_it_cannot_do_is_refused():
+    wp = jnp.asarray(pack_weight(_rand(2, 8, 40)))
+    with pytest.raises(ValueError, match="fp32 only"):
+        packed_matmul(jnp.ones((2, 8), jnp.bfloat16), wp, 0, 40)
+    with pytest.raises(ValueError, match="w contracts 8"):
+        packed_matmul(_rand(2, 9), wp, 0, 40)
+    with pytest.raises(ValueError, match="do not fill 2 panels"):
+        packed_matmul(_rand(2, 8), wp, 0, 70)
+    with pytest.raises(ValueError, match="must be packed"):
+        packed_matmul(_rand(2, 8), jnp.ones((2, 8, 40)), 0, 40)
