@@ -27,3 +27,23 @@ def test_floor_is_the_larger_of_memory_and_compute(rows):
     assert f.memory_s == pytest.approx(f.weight_bytes / (f.copy_gbs * 1e9))
     assert f.sgemm_gflops == pytest.approx(f.flops / f.compute_s / 1e9)
     assert f.floor_s == max(f.memory_s, f.compute_s) > 0
+
+
+def test_compute_takes_the_faster_gemm_per_shape(monkeypatch):
+    """Per matrix shape, the faster of numpy's BLAS and the packed GEMM (timings faked:
+    the arithmetic, not the clock, is under test)."""
+    import conflux_jax.bench.host_floor as hf
+
+    monkeypatch.setattr(hf, "sgemm_seconds", lambda r, k, n, rep=5: 1e-3 if k < n else 4e-3)
+    monkeypatch.setattr(hf, "packed_sgemm_seconds", lambda r, k, n, rep=5: 2e-3)
+    f = hf.host_floor(TINY_LLAMA, 4, copy_megabytes=8, repeats=1)
+    want = sum(c * (1e-3 if k < n else 2e-3) for c, k, n in step_matrices(TINY_LLAMA))
+    assert f.compute_s == pytest.approx(want)
+
+
+def test_packed_sgemm_is_timed_when_it_runs():
+    from conflux_jax.bench.host_floor import packed_sgemm_seconds
+    from pallas_kernels.cpu_gemm import packed_gemm_available
+
+    t = packed_sgemm_seconds(4, 64, 96, repeats=2)
+    assert (0 < t < 1) if packed_gemm_available()[0] else t == float("inf")
