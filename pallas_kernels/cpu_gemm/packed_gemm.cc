@@ -37,14 +37,18 @@ struct Problem {
 }  // namespace
 
 // The kernel once per ISA, each in its own namespace under its own target: V is the
-// widest vector (lanes floats), MR the rows of a register tile (accumulators MR x 32/lanes
-// plus 32/lanes weight vectors fit the ISA's registers).
-#define CONFLUX_GEMM_ISA(NS, TARGET, LANES, MR_MAX)                                         \
+// widest vector (lanes floats); a register tile is MR_MAX rows by VECS vectors of a panel's
+// columns (MR_MAX x VECS accumulators plus VECS weight vectors fit the ISA's registers:
+// AVX-512 8 x 2 zmm, the whole panel; AVX2 6 x 2 ymm, half of it).
+#define CONFLUX_GEMM_ISA(NS, TARGET, LANES, VECS, MR_MAX)                                   \
   namespace NS {                                                                           \
   typedef float V __attribute__((vector_size(LANES * 4), aligned(4), may_alias));          \
-  constexpr int kLanes = LANES, kVecs = kPanel / LANES, kMaxRows = MR_MAX;                 \
+  constexpr int kLanes = LANES, kVecs = VECS, kMaxRows = MR_MAX;                           \
+  constexpr int64_t kTileCols = LANES * VECS;                                              \
+  static_assert(kPanel % kTileCols == 0, "a tile's columns must divide a panel");          \
                                                                                            \
-  /* out[r, 0:32] (+)= x[r, k0:k0+kn] @ panel[k0:k0+kn, :] for MR rows r. */               \
+  /* out[r, c] (+)= x[r, k0:k0+kn] @ panel[k0:k0+kn, c] for MR rows r, kTileCols
+     columns c (panel and out already offset to the tile's first column). */              \
   template <int MR>                                                                        \
   __attribute__((target(TARGET), noinline)) void Tile(                                     \
       const float* x, int64_t ldx, const float* panel, int64_t kn, float* out,              \
@@ -55,7 +59,7 @@ struct Problem {
         acc[r][v] = first ? V{} : *reinterpret_cast<const V*>(out + r * ldo + v * kLanes); \
     for (int64_t k = 0; k < kn; ++k) {                                                     \
       const float* row = panel + k * kPanel;                                               \
-      if (stream) {                                                                        \
+      if (stream) { /* both cache lines of the panel row kPrefetchFloats ahead */          \
         __builtin_prefetch(row + kPrefetchFloats, 0, 3);                                   \
         __builtin_prefetch(row + kPrefetchFloats + 16, 0, 3);                              \
       }                                                                                    \
@@ -91,9 +95,12 @@ struct Problem {
       const float* panel = pr.w + p * pr.k * kPanel;                                       \
       for (int64_t k0 = 0; k0 < pr.k; k0 += kKBlock) {                                     \
         const int64_t kn = std::min(kKBlock, pr.k - k0);                                   \
-        for (int64_t r = 0; r < pr.m; r += kMaxRows) {                                     \
-          Rows<kMaxRows>(std::min<int64_t>(kMaxRows, pr.m - r), pr.x + r * pr.k + k0, pr.k, \
-                         panel + k0 * kPanel, kn, out + r * ldo, ldo, k0 == 0, r == 0);     \
+        for (int64_t c = 0; c < kPanel; c += kTileCols) {                                  \
+          for (int64_t r = 0; r < pr.m; r += kMaxRows) {                                   \
+            Rows<kMaxRows>(std::min<int64_t>(kMaxRows, pr.m - r), pr.x + r * pr.k + k0,     \
+                           pr.k, panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo,       \
+                           k0 == 0, r == 0 && c == 0);                                     \
+          }                                                                                \
         }                                                                                  \
       }                                                                                    \
       if (partial) {                                                                       \
@@ -107,10 +114,10 @@ struct Problem {
   }  // namespace NS
 
 #if defined(__x86_64__) && defined(__GNUC__)
-CONFLUX_GEMM_ISA(avx512, "avx512f", 16, 8)
-CONFLUX_GEMM_ISA(avx2, "avx2,fma", 8, 2)
+CONFLUX_GEMM_ISA(avx512, "avx512f", 16, 2, 8)
+CONFLUX_GEMM_ISA(avx2, "avx2,fma", 8, 2, 6)
 #endif
-CONFLUX_GEMM_ISA(generic, "default", 4, 2)
+CONFLUX_GEMM_ISA(generic, "default", 4, 4, 4)
 
 namespace {
 
