@@ -134,7 +134,9 @@ class Decoder(nnx.Module):
         fold into the dot); a 16-row SmolLM2 decode step ran 1.05-1.07x faster without
         them on a 2-core CPU, an 8B decode step ~6 ms faster on an H200. ``linears="blas"``
         (fp32 on the CPU) runs the linears of ``BLAS_MIN_ROWS..BLAS_MAX_ROWS`` rows as
-        OpenBLAS calls that read the layer in place instead (``pallas_kernels.cpu_gemm``).
+        OpenBLAS calls that read the layer in place instead (``pallas_kernels.cpu_gemm``);
+        ``linears="packed"`` runs every linear on the packed-weight GEMM, which also reads
+        the layer in place, on weights ``models.params.pack_linears`` packed.
         Weights held per layer run unrolled, ``layer`` a Python int: every matmul reads its
         own weight array, at the price of a program L times longer to compile.
         """

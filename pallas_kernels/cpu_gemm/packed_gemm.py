@@ -2,7 +2,7 @@
 
 A CPU decode step multiplies 1-64 token rows by every weight matrix: bound by how fast the
 weights stream in from memory, where XLA:CPU's dot reached ~15-22 GB/s of a host's ~40
-(bench/RESULTS.md, "Dense layers through a packed-weight GEMM"). The weights are therefore
+(bench/RESULTS.md, "Dense layers through our own packed-weight GEMM"). The weights are
 held packed: ``w f32[..., K, N]`` becomes ``f32[..., P, K, 32]``, P = ceil(N / 32) panels of
 32 output columns, each one contiguous stream (columns past N are zero). The C++ handler
 (``packed_gemm.cc``) reads a panel front to back with prefetches far ahead and keeps each
