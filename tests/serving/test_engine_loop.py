@@ -31,7 +31,9 @@ def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
         async def burst() -> list[list]:
             streams = []
             for i in range(4):  # as the HTTP handlers hand them over, ~1 ms apart
-                streams.append(loop.submit([5 + i, 6, 7], SamplingParams(max_tokens=2)))
+                # ignore_eos: random tiny weights may sample EOS first
+                streams.append(loop.submit([5 + i, 6, 7],
+                                           SamplingParams(max_tokens=2, ignore_eos=True)))
                 await asyncio.sleep(0.001)
             ids = [await s.accepted for s in streams]
 
