@@ -163,15 +163,15 @@ def resolve_linears(linears: str, platform: str, dtype: Any, tp: int) -> str:
         if why:
             raise ValueError(f"linears='blas' cannot run: {why}")
         return linears
-    why = (_cpu_fp32_obstacle(platform, dtype)
-           or ("its panels are not split over tensor-parallel shards (tp=1 only)"
-               if tp > 1 else "") or packed_gemm_available()[1])
-    if not why:
+    why = _cpu_fp32_obstacle(platform, dtype) or (
+        "its panels are not split over tensor-parallel shards (tp=1 only)" if tp > 1 else "")
+    built = "" if why else packed_gemm_available()[1]  # where it would run: does it build?
+    if not why and not built:
         return "packed"
     if linears == "packed":
-        raise ValueError(f"linears='packed' cannot run: {why}")
-    if platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and tp == 1:
-        log.warning("linears: XLA's dot (the packed GEMM is unavailable: %s)", why)
+        raise ValueError(f"linears='packed' cannot run: {why or built}")
+    if built:
+        log.warning("linears: XLA's dot (the packed GEMM is unavailable: %s)", built)
     return "xla"
 
 

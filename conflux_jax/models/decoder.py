@@ -25,7 +25,6 @@ from conflux_jax.config import ModelConfig
 from conflux_jax.models.params import (
     Params,
     layers_unstacked,
-    linears_packed,
     param_shapes,
     validate_params,
 )
@@ -114,7 +113,7 @@ class Decoder(nnx.Module):
         """tokens i32[...] -> f[..., D]. Tied embeddings held packed as the LM head
         (f[ceil(V/32), D, 32]) are read from there: token t is column t % 32 of panel t // 32."""
         embed = self.embed[...]
-        if embed.ndim == 3:
+        if embed.ndim == 3:  # tied and packed (an untied model's embed stays plain)
             return embed[tokens // PANEL, :, tokens % PANEL]
         return jnp.take(embed, tokens, axis=0)
 
@@ -142,12 +141,13 @@ class Decoder(nnx.Module):
         """
         if linears not in LINEARS:
             raise ValueError(f"linears must be one of {LINEARS}, got {linears!r}")
-        packed = linears_packed(self.params_layout())
+        packed = self.packed
         if packed != (linears == "packed"):
             raise ValueError(f"linears={linears!r} on weights {'' if packed else 'not '}packed "
                              "(models.params.pack_linears): linears='packed' reads packed ones")
         cfg = self.config
-        out_features = self.out_features()
+        # Output columns per layer matrix: packed weights pad them to whole panels.
+        out_features = {name: shape[-1] for name, shape in param_shapes(cfg)["layers"].items()}
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
         unrolled = isinstance(self.layers, nnx.List)
@@ -216,26 +216,17 @@ class Decoder(nnx.Module):
         to spare, and OpenBLAS was no faster at 16-64 rows (3x slower at one). A packed
         head (``pack_linears``) runs on the packed GEMM."""
         h = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-        head = self.lm_head[...] if self.lm_head is not None else self.embed[...]
-        if head.ndim == 3:  # packed f[ceil(V/32), D, 32]
+        if self.packed:  # the head f[ceil(V/32), D, 32]
+            head = (self.lm_head if self.lm_head is not None else self.embed)[...]
             return packed_matmul(h.astype(jnp.float32), head, 0, self.config.vocab_size)
-        if self.lm_head is None:
-            head = head.T
+        head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
         return jnp.matmul(h, head, preferred_element_type=jnp.float32)
 
-    def out_features(self) -> dict[str, int]:
-        """Each layer matrix's output columns (packed weights pad them to panels)."""
-        c = self.config
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return {"wq": q, "wk": kv, "wv": kv, "wo": c.hidden_size, "w_gate": c.intermediate_size,
-                "w_up": c.intermediate_size, "w_down": c.hidden_size}
-
-    def params_layout(self) -> dict[str, Any]:
-        """The layer weights (stacked, or the first layer's when per layer), for
-        ``models.params`` predicates."""
-        if isinstance(self.layers, nnx.List):
-            return {"layers": (self.layers[0].weights(),)}
-        return {"layers": self.layers.weights()}
+    @property
+    def packed(self) -> bool:
+        """Whether the weights are packed (``models.params.pack_linears``, which packs the
+        LM head with the layer matrices)."""
+        return (self.lm_head if self.lm_head is not None else self.embed)[...].ndim == 3
 
 
 def _all_reduce(x: jax.Array, axis: str | None) -> jax.Array:
