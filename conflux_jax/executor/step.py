@@ -98,7 +98,7 @@ def param_specs(params: Params) -> Params:
     """Weights replicated over sp; QKV/gate/up column-parallel and O/down row-parallel
     over tp; embeddings, norms and the LM head replicated. Layer weights stacked or per
     layer (``models.params.unstack_layers``)."""
-    column = {"wq", "wk", "wv", "w_gate", "w_up"}
+    column = {"wq", "wk", "wv", "w_gate", "w_up", "wqkv"}
     row = {"wo", "w_down"}
     per_layer = layers_unstacked(params)
     lead = () if per_layer else (None,)  # the stacked layer axis

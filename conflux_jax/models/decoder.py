@@ -23,7 +23,9 @@ from flax import nnx
 
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.params import (
+    FUSED_LINEARS,
     Params,
+    fused_widths,
     layers_unstacked,
     param_shapes,
     validate_params,
@@ -48,7 +50,7 @@ LINEARS = ("xla", "blas", "packed")
 BLAS_MIN_ROWS, BLAS_MAX_ROWS = 2, 128
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
-                 "mlp_norm", "w_gate", "w_up", "w_down")
+                 "mlp_norm", "w_gate", "w_up", "w_down", *FUSED_LINEARS)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -148,6 +150,12 @@ class Decoder(nnx.Module):
         cfg = self.config
         # Output columns per layer matrix: packed weights pad them to whole panels.
         out_features = {name: shape[-1] for name, shape in param_shapes(cfg)["layers"].items()}
+        widths = fused_widths(cfg)  # packed: Q, K and V are one matrix
+        out_features.update({name: sum(w) for name, w in widths.items()})
+
+        def split(a: jax.Array, name: str) -> list[jax.Array]:
+            bounds = np.cumsum(widths[name])[:-1].tolist()
+            return jnp.split(a, bounds, axis=-1)
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
         unrolled = isinstance(self.layers, nnx.List)
@@ -162,9 +170,9 @@ class Decoder(nnx.Module):
                 return rms_norm(a, weight(name), cfg.rms_norm_eps)
 
             a = norm(h, "attn_norm")
-            q = lin(a, "wq").reshape(*a.shape[:-1], -1, head_dim)
-            k = lin(a, "wk").reshape(*a.shape[:-1], -1, head_dim)
-            v = lin(a, "wv").reshape(*a.shape[:-1], -1, head_dim)
+            q, k, v = split(lin(a, "wqkv"), "wqkv") if packed else \
+                (lin(a, "wq"), lin(a, "wk"), lin(a, "wv"))
+            q, k, v = (p.reshape(*a.shape[:-1], -1, head_dim) for p in (q, k, v))
             if cfg.qk_norm:
                 q = norm(q, "q_norm")
                 k = norm(k, "k_norm")

@@ -109,21 +109,40 @@ def layers_unstacked(params: Mapping[str, Any]) -> bool:
     return not isinstance(params["layers"], Mapping)
 
 
-PACKED_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Packed, wq | wk | wv are one matrix, their columns side by side: one GEMM call streams a
+# layer's Q, K and V projections. In a scan over SmolLM2's 30 layers that ran 1.62x faster
+# at one row, 1.08x at 16, 1.02x at 256 (fewer calls; wk and wv alone are too narrow to keep
+# the prefetcher and both threads busy); gate | up fused gained nothing (0.96-1.04x) and
+# stay two matrices (bench/RESULTS.md, "A second host of this kind").
+FUSED_LINEARS = {"wqkv": ("wq", "wk", "wv")}
+PACKED_LINEARS = ("wqkv", "wo", "w_gate", "w_up", "w_down")
+
+
+def fused_widths(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each fused matrix's parts' output columns, in order (``FUSED_LINEARS``)."""
+    layers = param_shapes(config)["layers"]
+    return {name: tuple(layers[part][-1] for part in parts)
+            for name, parts in FUSED_LINEARS.items()}
 
 
 def pack_linears(params: Params) -> Params:
     """``params`` with every matrix the packed GEMM reads packed into 32-column panels
-    (``pallas_kernels.cpu_gemm.pack_weight``): the layer matrices (``wq`` f[L, P, D, 32])
-    and the LM head, f[ceil(V/32), D, 32]. Tied embeddings are stored once, as that packed
-    head (``Decoder.embed_tokens`` reads token rows out of it). Host (numpy) arrays."""
+    (``pallas_kernels.cpu_gemm.pack_weight``): the layer matrices, Q, K and V fused first
+    (``FUSED_LINEARS``: ``wqkv`` f[L, P, D, 32]), and the LM head,
+    f[ceil(V/32), D, 32]. Tied embeddings are stored once, as that packed head
+    (``Decoder.embed_tokens`` reads token rows out of it). Host (numpy) arrays."""
     from pallas_kernels.cpu_gemm import pack_weight
 
     if linears_packed(params):
         raise ValueError("the linears are already packed")
 
     def pack_layer(weights: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: pack_weight(w) if k in PACKED_LINEARS else w for k, w in weights.items()}
+        fused = {name: np.concatenate([np.asarray(weights[p]) for p in parts], axis=-1)
+                 for name, parts in FUSED_LINEARS.items()}
+        parts = {p for ps in FUSED_LINEARS.values() for p in ps}
+        kept = {k: w for k, w in weights.items() if k not in parts}
+        return {k: pack_weight(w) if k in PACKED_LINEARS else w
+                for k, w in {**kept, **fused}.items()}
 
     layers = params["layers"]
     out = {**params, "layers": tuple(pack_layer(w) for w in layers)
@@ -138,5 +157,4 @@ def pack_linears(params: Params) -> Params:
 def linears_packed(params: Mapping[str, Any]) -> bool:
     """Whether ``params`` holds its linears packed (``pack_linears``)."""
     layers = params["layers"]
-    wq = (layers[0] if not isinstance(layers, Mapping) else layers)["wq"]
-    return wq.ndim == (3 if not isinstance(layers, Mapping) else 4)
+    return "wqkv" in (layers[0] if not isinstance(layers, Mapping) else layers)

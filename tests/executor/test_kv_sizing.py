@@ -60,7 +60,7 @@ def test_cpu_keeps_its_page_count_unless_asked() -> None:
 def test_linears_the_host_cannot_run_are_refused() -> None:
     # auto on the CPU in fp32: the packed GEMM, its weights packed
     ex = _executor()
-    assert ex.step_config.linears == "packed" and ex.params["layers"]["wq"].ndim == 4
+    assert ex.step_config.linears == "packed" and ex.params["layers"]["wqkv"].ndim == 4
     assert _executor(linears="blas").step_config.linears == "blas"  # fp32 on the CPU
     with pytest.raises(ValueError, match="linears must be one of"):
         _executor(linears="onednn")

@@ -55,6 +55,8 @@ def test_packed_linears_run_the_same_model(config, per_layer) -> None:
     params = random_params(config, seed=3, scale=0.2)
     packed = pack_linears(unstack_layers(params) if per_layer else params)
     assert linears_packed(packed) and not linears_packed(params)
+    layer = packed["layers"][0] if per_layer else packed["layers"]
+    assert "wqkv" in layer and not {"wq", "wk", "wv"} & set(layer)  # Q, K and V fused
     head = "embed" if config.tie_word_embeddings else "lm_head"
     assert "lm_head" in packed or config.tie_word_embeddings
     assert packed[head].shape == (-(-config.vocab_size // 32), config.hidden_size, 32)
