@@ -11,6 +11,8 @@ runs in its own process. For each concurrency ``c``:
 output tokens/s, mean TTFT and mean TBT (gap between a request's tokens), and our
 ratio to each peer (tokens/s: ours/peer, higher is better; TTFT/TBT: peer/ours, higher
 is better). Every number is measured in this run on this machine; nothing is quoted.
+For a server peer the CPU time of the measuring client is recorded too (it runs on the
+cores the server uses; the in-process engine runs no client).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Measure:
     tbt_ms: float
     wall_s: float
     cached_tokens: int  # prompt tokens a prefix cache served: 0 when prompts are fresh
+    # A server peer's: CPU seconds its measuring client took (on the same cores as the
+    # server; the in-process engine runs none). None for the others.
+    client_cpu_s: float | None = None
 
     @classmethod
     def from_results(cls, results: list[RequestResult], wall_s: float) -> Measure:
@@ -375,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             batch = prompts_for(c, str(r))  # the same prompts for every system
             runs["ours"].append(Measure.from_results(*run_ours(requests(batch))))
             for peer in peers:
-                runs[peer.name].append(Measure.from_results(*peer.run(batch, args.max_tokens)))
+                m = Measure.from_results(*peer.run(batch, args.max_tokens))
+                if isinstance(peer, ServerPeer):
+                    m = dataclasses.replace(m, client_cpu_s=peer.client_cpu_s)
+                runs[peer.name].append(m)
             if bound is not None:  # the bound too: one slow phase once sank it below ours
                 bounds.append(bound(c))
         rows.append({"concurrency": c, **{k: best(v) for k, v in runs.items()}})
@@ -415,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                            for p in peers)
             print(f"{'':>4} {'bound':<10} {b['tokens_per_s']:>10.1f} {'':>9} "
                   f"{1e3 * b['decode_step_s']:>8.1f}   = {of}")
+    http = [p.name for p in peers if isinstance(p, ServerPeer)]
+    if http:  # the client's share of the host, beside each server's wall time
+        print("measuring client's CPU per run (same cores as the server): " + "; ".join(
+            f"{row['concurrency']} streams " + ", ".join(
+                f"{n} {row[n]['client_cpu_s']:.2f} s of {row[n]['wall_s']:.2f} s" for n in http)
+            for row in rows))
     h = rows[-1]["host_floor"]
     print(f"host: {h['cpu']}; {' '.join(h['isa'])}; copy {h['copy_gbs']:.1f} GB/s")
     for row in rows:

@@ -36,6 +36,9 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
             assert m["tokens_per_s"] * m["wall_s"] == pytest.approx(row["concurrency"] * 3)
             # every run's prompts are new to it: no prefix-cache hit flatters ours
             assert m["cached_tokens"] == 0
+        # the measuring client's CPU, for the server only: it shares the server's cores
+        assert row["server"]["client_cpu_s"] > 0 and row["hf"]["client_cpu_s"] is None
+        assert row["ours"]["client_cpu_s"] is None
         assert row["ratio_vs_hf"]["tokens_per_s"] > 0
         assert row["ratio_vs_server"]["tokens_per_s"] > 0
         b = row["dense_bound"]  # the dense layers alone bound every engine, ours included
@@ -47,6 +50,7 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "ratio tok/s" in text and "hf" in text and "bound" in text
     assert "decode-step floor" in text and "x floor" in text
+    assert "measuring client's CPU per run" in text
     with pytest.raises(SystemExit):  # our server beside a server is not a comparison
         main(["compare", "--url", "http://127.0.0.1:9", "--peers", "server"])
 
