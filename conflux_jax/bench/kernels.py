@@ -354,9 +354,8 @@ def bench_small(iters: int) -> dict[str, Any]:
     return result
 
 
-# SmolLM2-135M's matrices, per layer: (name, K, N).
-# SmolLM2's layer matrices: wqkv as the packed decoder runs Q, K and V (fused, see
-# models.params.FUSED_LINEARS), the others as every route runs them.
+# SmolLM2-135M's layer matrices, (name, K, N): wqkv as the packed decoder runs Q, K and V
+# (fused, see models.params.FUSED_LINEARS), the others as every route runs them.
 GEMM_SHAPES = (("wqkv", 576, 960), ("wq/wo", 576, 576), ("wk/wv", 576, 192),
                ("gate/up", 576, 1536), ("down", 1536, 576))
 
