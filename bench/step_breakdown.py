@@ -84,7 +84,7 @@ def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN4
     inputs = ex.device_inputs(host)
     _, *rest = ex._abstract_args(shape)
     forwards = [step_module.build_step(dataclasses.replace(ex.step_config, **cfg), ex.mesh,
-                                       ex._param_specs).forward
+                                       step_module.param_specs(w)).forward
                 .lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                    sharding=a.sharding), w),
                        *rest).compile() for cfg, w in zip(configs, weights, strict=True)]

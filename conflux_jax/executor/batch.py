@@ -107,6 +107,11 @@ class RankInputs:
     local_pages: jax.Array  # i32[N, D, Wd] its decode-view page table
     num_local: jax.Array  # i32[N]      live local sequences on the rank
     sample_index: jax.Array  # i32[N, R]  buffer index whose logits are sampled
+    # Live rows: the token buffer's first ``num_rows`` (prefill, decode and local rows are
+    # packed from slot 0) and ``sample_index``'s first ``num_sample``; the rest is padding,
+    # which the CPU's packed GEMM skips. Padding keeps the full counts (nothing skipped).
+    num_rows: jax.Array  # i32[N]
+    num_sample: jax.Array  # i32[N]
 
 
 @jax.tree_util.register_dataclass
@@ -199,7 +204,8 @@ class StepBatch:
             local_index=np.full((n, d), t, i32), local_cu=np.zeros((n, d + 1), i32),
             local_kv_len=np.zeros((n, d), i32),
             local_pages=np.zeros((n, d, shape.decode_pages), i32),
-            num_local=np.zeros((n,), i32), sample_index=np.zeros((n, r), i32))
+            num_local=np.zeros((n,), i32), sample_index=np.zeros((n, r), i32),
+            num_rows=np.full((n,), t, i32), num_sample=np.full((n,), r, i32))
         shared = SharedInputs(
             perm=np.arange(n * p, dtype=i32), inverse=np.arange(n * p, dtype=i32),
             cu_q_lens=np.zeros((s + 1,), i32), kv_lens=np.zeros((s,), i32),

@@ -1019,6 +1019,8 @@ class JaxExecutor:
             a.local_kv_len[r, k] = lp.start + lp.length
             a.local_pages[r, k, :len(pages)] = pages
             add_sample(r, fill[r] + j, lp.request_id, lp.sampling, lp.sample_step)
+        a.num_rows[:] = np.asarray(fill) + dcount
+        a.num_sample[:] = n_sample
         if plan.token_masks:
             batch = dataclasses.replace(
                 batch, sample=self._with_masks(batch.sample, rows, plan.token_masks))

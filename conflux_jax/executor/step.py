@@ -188,8 +188,8 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
     x = model.embed_tokens(b.tokens)
     tp_axis = TP if cfg.tp > 1 else None
     x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis,
-                                           linears=cfg.linears)
-    logits = model.logits(x[b.sample_index])  # f32[R, V]
+                                           linears=cfg.linears, live_rows=b.num_rows)
+    logits = model.logits(x[b.sample_index], live_rows=b.num_sample)  # f32[R, V]
     return ForwardOutputs(k_pool[None], v_pool[None], logits[None])
 
 

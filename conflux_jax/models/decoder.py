@@ -127,6 +127,7 @@ class Decoder(nnx.Module):
         kv: KV,
         tp_axis: str | None = None,
         linears: str = "xla",
+        live_rows: jax.Array | None = None,  # i32[] x's first rows that are not padding
     ) -> tuple[jax.Array, KV]:
         """All transformer blocks; ``kv`` is carried so pools update in place.
 
@@ -137,9 +138,12 @@ class Decoder(nnx.Module):
         (fp32 on the CPU) runs the linears of ``BLAS_MIN_ROWS..BLAS_MAX_ROWS`` rows as
         OpenBLAS calls that read the layer in place instead (``pallas_kernels.cpu_gemm``);
         ``linears="packed"`` runs every linear on the packed-weight GEMM, which also reads
-        the layer in place, on weights ``models.params.pack_linears`` packed.
-        Weights held per layer run unrolled, ``layer`` a Python int: every matmul reads its
-        own weight array, at the price of a program L times longer to compile.
+        the layer in place, on weights ``models.params.pack_linears`` packed; given
+        ``live_rows`` it multiplies only x's first ``live_rows`` rows (leading axes
+        flattened) and leaves the padding rows after them zero (other routes compute
+        every row). Weights held per layer run unrolled, ``layer`` a Python int: every
+        matmul reads its own weight array, at the price of a program L times longer to
+        compile.
         """
         if linears not in LINEARS:
             raise ValueError(f"linears must be one of {LINEARS}, got {linears!r}")
@@ -188,7 +192,7 @@ class Decoder(nnx.Module):
 
         def packed_linear(a: jax.Array, w: jax.Array, layer: jax.Array | int,
                           name: str) -> jax.Array:
-            return packed_matmul(a, w, layer, out_features[name]).astype(a.dtype)
+            return packed_matmul(a, w, layer, out_features[name], live_rows).astype(a.dtype)
 
         if unrolled:
             carry = (x, kv)
@@ -218,15 +222,18 @@ class Decoder(nnx.Module):
         (x, kv), _ = jax.lax.scan(scanned, (x, kv), layer_ids)
         return x, kv
 
-    def logits(self, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
+    def logits(self, x: jax.Array, tp_axis: str | None = None,
+               live_rows: jax.Array | None = None) -> jax.Array:
         """x f[..., D] -> f32[..., V]: final norm and LM head (tied head = embedding^T).
         XLA's dot even with ``linears="blas"``: the head is not stacked, so there is no copy
         to spare, and OpenBLAS was no faster at 16-64 rows (3x slower at one). A packed
-        head (``pack_linears``) runs on the packed GEMM."""
+        head (``pack_linears``) runs on the packed GEMM, over x's first ``live_rows``
+        rows when given (i32[]; the logits of the rows after them are zero)."""
         h = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
         if self.packed:  # the head f[ceil(V/32), D, 32]
             head = (self.lm_head if self.lm_head is not None else self.embed)[...]
-            return packed_matmul(h.astype(jnp.float32), head, 0, self.config.vocab_size)
+            return packed_matmul(h.astype(jnp.float32), head, 0, self.config.vocab_size,
+                                 live_rows)
         head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
         return jnp.matmul(h, head, preferred_element_type=jnp.float32)
 

@@ -1,13 +1,19 @@
 // out f32[M, n] = x f32[M, K] @ W, W held packed: w f32[L, P, K, 32] (P = ceil(n / 32)
 // panels of 32 output columns, each K x 32 contiguous; columns past n are zero), layer
-// ``layer`` of L. XLA FFI, fp32, the CPU.
+// ``layer`` of L. Only the first ``rows`` rows of x are multiplied; the rest of out is
+// zero (a step's buffer is padded to its bucket: its padding rows cost no FLOPs).
+// XLA FFI, fp32, the CPU.
 //
 // Why packed: a decode step's GEMMs have few rows (1-64), so they stream their weights
 // from memory once and are bound by how fast one core pulls them. A panel read front to back
 // is one sequential stream the core can prefetch far ahead; W's plain [K, N] rows would be
-// K strided streams. Each 32-column panel is split into blocks of kKBlock rows of K: the
-// first row tile streams a block in from memory (prefetching kPrefetchFloats ahead), the
-// other row tiles of x find it in L1. Panels are split over XLA's thread pool.
+// K strided streams. Each 32-column panel is split into blocks of kKBlock rows of K, each
+// kept in cache for all the row tiles of x. The passes of the first two row tiles over a
+// block prefetch the next block into L2 (kPrefetchFloats ahead), one of a panel row's two
+// cache lines each: with only the first pass prefetching, memory sat idle while the other
+// row tiles computed, and prefetching into L1 evicted the block in use from a 32 KiB L1
+// (16 rows: 1.3x faster on a Zen 4 host; bench/RESULTS.md). Panels are split over XLA's
+// thread pool.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -24,7 +30,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;             // output columns of a panel
 constexpr int64_t kKBlock = 256;           // rows of K per block (32 KiB of a panel)
-constexpr int64_t kPrefetchFloats = 4096;  // 16 KiB ahead of the streaming row tile
+constexpr int64_t kPrefetchFloats = 8192;  // 32 KiB (a block) ahead, into L2
 constexpr int64_t kMinWorkPerPart = 1 << 20;  // weight floats x (rows + 4) per thread
 
 struct Problem {
@@ -52,17 +58,15 @@ struct Problem {
   template <int MR>                                                                        \
   __attribute__((target(TARGET), noinline)) void Tile(                                     \
       const float* x, int64_t ldx, const float* panel, int64_t kn, float* out,              \
-      int64_t ldo, bool first, bool stream) {                                              \
+      int64_t ldo, bool first, int stream) {                                               \
     V acc[MR][kVecs];                                                                      \
     for (int r = 0; r < MR; ++r)                                                           \
       for (int v = 0; v < kVecs; ++v)                                                      \
         acc[r][v] = first ? V{} : *reinterpret_cast<const V*>(out + r * ldo + v * kLanes); \
     for (int64_t k = 0; k < kn; ++k) {                                                     \
       const float* row = panel + k * kPanel;                                               \
-      if (stream) { /* both cache lines of the panel row kPrefetchFloats ahead */          \
-        __builtin_prefetch(row + kPrefetchFloats, 0, 3);                                   \
-        __builtin_prefetch(row + kPrefetchFloats + 16, 0, 3);                              \
-      }                                                                                    \
+      if (stream & 1) __builtin_prefetch(row + kPrefetchFloats, 0, 2);                     \
+      if (stream & 2) __builtin_prefetch(row + kPrefetchFloats + 16, 0, 2);                \
       V w[kVecs];                                                                          \
       for (int v = 0; v < kVecs; ++v) w[v] = *reinterpret_cast<const V*>(row + v * kLanes); \
       _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                              \
@@ -77,11 +81,18 @@ struct Problem {
                                                                                            \
   template <int MR>                                                                        \
   void Rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kn,      \
-            float* out, int64_t ldo, bool first, bool stream) {                            \
+            float* out, int64_t ldo, bool first, int stream) {                             \
     if constexpr (MR > 0) {                                                                \
       if (rows == MR) return Tile<MR>(x, ldx, panel, kn, out, ldo, first, stream);         \
       Rows<MR - 1>(rows, x, ldx, panel, kn, out, ldo, first, stream);                      \
     }                                                                                      \
+  }                                                                                        \
+                                                                                           \
+  /* Which cache lines of the next block's panel rows the pass of the row tile at r
+     prefetches (bit 0: the first, bit 1: the second): both when it is the only pass. */  \
+  inline int StreamLines(int64_t m, int64_t r) {                                           \
+    if (m <= kMaxRows) return 3;                                                           \
+    return r == 0 ? 1 : r == kMaxRows ? 2 : 0;                                             \
   }                                                                                        \
                                                                                            \
   /* Panels [p0, p1) of the product. */                                                    \
@@ -99,7 +110,7 @@ struct Problem {
           for (int64_t r = 0; r < pr.m; r += kMaxRows) {                                   \
             Rows<kMaxRows>(std::min<int64_t>(kMaxRows, pr.m - r), pr.x + r * pr.k + k0,     \
                            pr.k, panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo,       \
-                           k0 == 0, r == 0 && c == 0);                                     \
+                           k0 == 0, c != 0 ? 0 : StreamLines(pr.m, r));                   \
           }                                                                                \
         }                                                                                  \
       }                                                                                    \
@@ -141,7 +152,8 @@ PanelsFn HostPanels() {
 }
 
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                      ffi::ResultBuffer<ffi::F32> out) {
   const PanelsFn panels_fn = HostPanels();
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -157,6 +169,9 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed_gemm: layer out of range");
+  const int64_t live = std::clamp<int64_t>(rows.typed_data()[0], 0, pr.m);
+  std::memset(pr.out + live * pr.n, 0, sizeof(float) * (pr.m - live) * pr.n);
+  pr.m = live;
   if (pr.m == 0 || pr.n == 0) return ffi::Error::Success();
   pr.w = w.typed_data() + static_cast<int64_t>(l) * pr.panels * pr.k * kPanel;
   if (pr.k == 0) {
@@ -180,4 +195,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: live rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>());

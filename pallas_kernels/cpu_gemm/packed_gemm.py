@@ -87,9 +87,12 @@ def packed_matmul(
     wp: jax.Array,  # f32[L, P, K, 32] stacked layers, or f32[P, K, 32] one matrix
     layer: jax.Array | int,  # i32[] which of the L matrices (0 for one matrix)
     n: int,  # output columns (P = ceil(n / 32))
+    rows: jax.Array | int | None = None,  # i32[] live rows of x flattened; None: all
 ) -> jax.Array:  # f32[..., n]
     """``x @ w[layer]`` on packed ``w`` by the C++ handler, reading the layer in place
-    (``packed_gemm_available`` must hold)."""
+    (``packed_gemm_available`` must hold). With ``rows``, only the first ``rows`` rows of
+    ``x`` (its leading axes flattened) are multiplied and the others come out zero: a step
+    padded to its bucket spends no FLOPs on its padding."""
     if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
         raise ValueError(f"packed_matmul is fp32 only, got {x.dtype} @ {wp.dtype}")
     _check(x, wp, n)
@@ -97,9 +100,10 @@ def packed_matmul(
     if wp.ndim == 3:
         wp = wp[None]
     lead = x.shape[:-1]
-    rows = math.prod(lead)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    out = call(x.reshape(rows, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1))
+    m = math.prod(lead)
+    live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    out = call(x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live)
     return out.reshape(*lead, n)
 
 

@@ -80,3 +80,39 @@ def test_one_rank_puts_prefill_tokens_in_kernel_order():
     engine.generate(prompts, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
                               for _ in prompts])
     assert seen["prefill"] >= 3 and seen["several"] >= 1
+
+
+def test_live_row_counts_cover_exactly_the_rows_in_use():
+    """``num_rows`` / ``num_sample`` (what the packed GEMM multiplies; the rest is padding it
+    skips) against the plan itself on 4 ranks: the rank's prefill tokens plus its decode
+    and local-prefill rows, and its sampled rows; every row the step reads lies below them."""
+    ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=96, max_model_len=128,
+                        buckets=BucketConfig(tokens=(8, 32), decode=(8,), max_prefill_seqs=4))
+    engine = Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
+                    Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+    ex = engine.executor
+    real = ex.build_batch
+    seen = {"padded": 0, "mixed": 0}
+
+    def checked(plan):
+        shape, batch, rows = real(plan)
+        a = batch.rank
+        for r in range(4):
+            prefill = sum(p.counts[r] for p in plan.prefill)
+            decodes = sum(d.rank == r for d in plan.decode) + sum(
+                lp.length for lp in plan.local_prefill if lp.rank == r)
+            sampled = sum(rank == r for rank, _ in rows.values())
+            assert a.num_rows[r] == prefill + decodes and a.num_sample[r] == sampled
+            assert (a.decode_index[r, :decodes] < a.num_rows[r]).all()
+            assert (a.sample_index[r, :sampled] < a.num_rows[r]).all()
+            seen["padded"] += int(a.num_rows[r]) < shape.tokens
+        seen["mixed"] += bool(plan.prefill and plan.decode)
+        return shape, batch, rows
+
+    ex.build_batch = checked
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, TINY_LLAMA.vocab_size, int(n)).tolist()
+               for n in rng.integers(3, 60, 8)]
+    engine.generate(prompts, [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+                              for _ in prompts])
+    assert seen["padded"] >= 10 and seen["mixed"] >= 1

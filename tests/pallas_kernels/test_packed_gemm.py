@@ -59,6 +59,23 @@ def test_random_shapes(m, k, n, isa):
         _check(_rand(m, k), _rand(2, k, n), 1, isa, mp)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("live", [0, 1, 9, 20, 24, 30])
+def test_live_rows_only(live, isa, monkeypatch):
+    """With ``rows``, the first rows are the product and the padding rows after them are
+    zero, whatever x holds there (NaN included); a count past M means all of them."""
+    monkeypatch.setenv("CONFLUX_GEMM_ISA", isa)
+    w, x = _rand(2, 70, 45), _rand(3, 8, 70)  # 24 rows over two leading axes
+    x.reshape(24, 70)[min(live, 24):] = np.nan
+    fn = jax.jit(packed_matmul, static_argnums=3)
+    got = np.asarray(fn(x, jnp.asarray(pack_weight(w)), jnp.int32(1), 45, jnp.int32(live)))
+    assert got.shape == (3, 8, 45)
+    flat = got.reshape(24, 45)
+    want = x.reshape(24, 70)[:live].astype(np.float64) @ w[1].astype(np.float64)
+    np.testing.assert_allclose(flat[:live], want, rtol=2e-5, atol=2e-4)
+    np.testing.assert_array_equal(flat[live:], 0.0)
+
+
 def test_one_matrix_and_the_jnp_form():
     """A 3-D packed matrix (the LM head) is layer 0; packed_matmul_xla is the same product."""
     x, w = _rand(5, 40), _rand(40, 100)
