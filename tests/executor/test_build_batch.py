@@ -17,11 +17,16 @@ from conflux_jax.tokenizer import Tokenizer
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulated) devices")
 
 
-def test_a_batch_updated_in_place_equals_one_built_from_nothing():
-    ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=96, max_model_len=128,
+def _engine(mesh: str) -> Engine:
+    """A tiny engine with small buckets: prefill chunks, several prompts and padding."""
+    ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=96, max_model_len=128,
                         buckets=BucketConfig(tokens=(8, 32), decode=(8,), max_prefill_seqs=4))
-    engine = Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
-                    Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+    return Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
+                  Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+
+
+def test_a_batch_updated_in_place_equals_one_built_from_nothing():
+    engine = _engine("sp=4,tp=1")
     ex = engine.executor
     real = ex.build_batch
     counts = {"in_place": 0, "checked": 0}
@@ -55,10 +60,7 @@ def test_one_rank_puts_prefill_tokens_in_kernel_order():
     """On one rank the step skips the kernel-order gathers of the prefill slice (and of its
     attention's output): every batch's permutation must be the identity there, over steps
     with several prompts, chunked ones and padding."""
-    ec = ExecutorConfig(mesh="sp=1,tp=1", page_size=4, num_pages=96, max_model_len=128,
-                        buckets=BucketConfig(tokens=(8, 32), decode=(8,), max_prefill_seqs=4))
-    engine = Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
-                    Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+    engine = _engine("sp=1,tp=1")
     ex = engine.executor
     real = ex.build_batch
     seen = {"prefill": 0, "several": 0}
@@ -86,10 +88,7 @@ def test_live_row_counts_cover_exactly_the_rows_in_use():
     """``num_rows`` / ``num_sample`` (what the packed GEMM multiplies; the rest is padding it
     skips) against the plan itself on 4 ranks: the rank's prefill tokens plus its decode
     and local-prefill rows, and its sampled rows; every row the step reads lies below them."""
-    ec = ExecutorConfig(mesh="sp=4,tp=1", page_size=4, num_pages=96, max_model_len=128,
-                        buckets=BucketConfig(tokens=(8, 32), decode=(8,), max_prefill_seqs=4))
-    engine = Engine(TINY_LLAMA, random_params(TINY_LLAMA, seed=3, scale=0.2),
-                    Tokenizer.word_level(TINY_LLAMA.vocab_size), EngineConfig(executor=ec))
+    engine = _engine("sp=4,tp=1")
     ex = engine.executor
     real = ex.build_batch
     seen = {"padded": 0, "mixed": 0}
