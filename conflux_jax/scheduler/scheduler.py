@@ -222,7 +222,10 @@ class Scheduler:
         The predicted TTFT prices the queue's uncached prefill work plus ``req``'s with the
         latency model, as one batch spread over the ranks beside the resident decodes, and
         stretches it by the share of each TBT-bounded iteration the decodes leave to
-        prefill (at least a twentieth: the waterfill's quantum keeps prefill going).
+        prefill (at least a twentieth: the waterfill's quantum keeps prefill going). It is
+        never less than the whole iteration that carries the prompt: the request waits for
+        that iteration's decodes and fixed costs too, so an idle instance reports less than
+        a busy one for the same prompt.
         """
         cached = self.cached_prefix_tokens(req)
         queued = self.queued_work()
@@ -235,7 +238,7 @@ class Scheduler:
         share = max(0.05, 1.0 - t_dec / self._tau) if self._decodes else 1.0
         return InstanceLoad(num_ranks=self.n, queued_tokens=queued,
                             decodes=len(self._decodes), cached_tokens=cached,
-                            predicted_ttft_s=(t_all - t_dec) / share)
+                            predicted_ttft_s=max(t_all, (t_all - t_dec) / share))
 
     # ---- the iteration -----------------------------------------------------------------
     def schedule(self, now: float) -> IterationPlan:

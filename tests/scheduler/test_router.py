@@ -103,3 +103,19 @@ def test_predicted_ttft_tracks_the_simulated_one(queued: int) -> None:
                      SimExecutor(MODEL, KVSpec(2, 400, 16)), 10.0, 0.05)
     rec = next(r for r in truth.records if r.id == probe.id)
     assert predicted == pytest.approx(rec.first_token_s - t1, rel=0.15)
+
+
+def test_an_idle_instance_reports_less_than_one_with_a_resident_decode() -> None:
+    """The new prompt's TTFT is at least the whole iteration carrying it, decodes included:
+    only the marginal prefill cost once made a busy instance look 100x faster than an idle
+    one, and a burst all went to whichever instance took its first request."""
+    idle, busy = _sched(), _sched()
+    core = EngineCore(busy, SimExecutor(MODEL, KVSpec(2, 400, 16)))
+    core.add(Request(0, 0.0, 4, 4, prompt_token_ids=(1, 2, 3, 4)))
+    core.step()
+    assert busy.num_decoding == 1
+    probe = Request(9, 0.0, 4, 4, prompt_token_ids=(5, 6, 7, 8))
+    loads = [busy.load_report(probe), idle.load_report(probe)]
+    assert loads[0].predicted_ttft_s > loads[1].predicted_ttft_s
+    assert loads[0].predicted_ttft_s >= MODEL.iteration(2, 2, 0.0, 0.0)
+    assert Router("conflux").pick(loads) == 1
