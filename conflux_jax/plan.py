@@ -70,6 +70,8 @@ class SamplingSpec:
     penalties are vLLM's (neutral: 0, 0, 1); a penalized request's tokens travel in
     ``IterationPlan.histories``. ``min_p`` 0 is off; ``logit_bias`` holds the (token,
     value) pairs added to the logits (the +-100 ones travel as the token mask).
+    ``top_logprobs`` > 0: the request wants that many alternatives' logprobs per token (a
+    step computes the top alternatives only when one of its rows does).
     """
 
     temperature: float = 0.0
@@ -81,6 +83,7 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
 
     @property
     def penalized(self) -> bool:

@@ -48,6 +48,29 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax():
     np.testing.assert_allclose(np.asarray(top_lps), -np.sort(-ref, axis=-1)[:, :3], atol=1e-5)
 
 
+@pytest.mark.parametrize("wanted", [[0, 0, 0, 0, 0], [0, 0, 2, 0, 0]])
+def test_top_alternatives_only_when_a_row_asks_for_them(wanted):
+    """With per-row ``top_logprobs``, a step where no row asks skips the top-k (zeros come
+    back); one row asking gets every row's, as numpy's sort gives them."""
+    logits = np.random.default_rng(1).standard_normal((5, 50)).astype(np.float32)
+    s = logits.shape[0]
+    jitted = jax.jit(sample, static_argnums=6)
+    tokens, lps, top_ids, top_lps = jitted(
+        jnp.asarray(logits), jnp.zeros(s), jnp.zeros(s, jnp.int32), jnp.ones(s),
+        jnp.zeros(s, jnp.uint32), jnp.zeros(s, jnp.int32), 3, None, None,
+        jnp.asarray(wanted, jnp.int32))
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))
+    np.testing.assert_allclose(np.asarray(lps), ref.max(-1), atol=1e-5)
+    assert top_ids.shape == top_lps.shape == (5, 3)
+    if any(wanted):
+        np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-ref, axis=-1)[:, :3])
+        np.testing.assert_allclose(np.asarray(top_lps), -np.sort(-ref, axis=-1)[:, :3],
+                                   atol=1e-5)
+    else:
+        assert not np.asarray(top_ids).any() and not np.asarray(top_lps).any()
+
+
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (5, 0.7), (1, 1.0)])
 def test_filtered_samples_stay_in_the_brute_force_set(top_k, top_p):
     rng = np.random.default_rng(1)

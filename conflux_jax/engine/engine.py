@@ -277,7 +277,7 @@ class Engine:
         spec = SamplingSpec(sampling.temperature, sampling.top_k, sampling.top_p, seed % 2**32,
                             sampling.presence_penalty, sampling.frequency_penalty,
                             sampling.repetition_penalty, sampling.min_p,
-                            sampling.additive_bias)
+                            sampling.additive_bias, sampling.logprobs or 0)
         for name, token_ids in (("logit_bias", list(sampling.logit_bias or ())),
                                 ("allowed_token_ids", list(sampling.allowed_token_ids or ()))):
             if any(not 0 <= t < vocab for t in token_ids):

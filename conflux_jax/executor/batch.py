@@ -61,6 +61,7 @@ class SampleRows:
     top_k: jax.Array  # i32[N, R]
     top_p: jax.Array  # f32[N, R]
     min_p: jax.Array  # f32[N, R]  (0 = off)
+    top_logprobs: jax.Array  # i32[N, R]  alternatives' logprobs wanted (0 = none)
     seed: jax.Array  # u32[N, R]
     step: jax.Array  # i32[N, R]  output index being sampled (per-request key)
     presence: jax.Array  # f32[N, R]  presence penalty (0 = off)
@@ -169,7 +170,8 @@ class StepBatch:
         return SampleRows(
             temperature=np.zeros((n, r), np.float32),
             top_k=np.zeros((n, r), i32), top_p=np.ones((n, r), np.float32),
-            min_p=np.zeros((n, r), np.float32), seed=np.zeros((n, r), np.uint32),
+            min_p=np.zeros((n, r), np.float32), top_logprobs=np.zeros((n, r), i32),
+            seed=np.zeros((n, r), np.uint32),
             step=np.zeros((n, r), i32),
             presence=np.zeros((n, r), np.float32), frequency=np.zeros((n, r), np.float32),
             repetition=np.ones((n, r), np.float32), num_prompt=np.zeros((n, r), i32),
@@ -287,12 +289,12 @@ class Packed:
 
 # The sampler's small per-row fields travel packed; the large buffers stay arrays of their
 # own (most steps send the executor's device-resident padding for them).
-SAMPLE_PACKED = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "presence",
-                 "frequency", "repetition", "num_prompt")
+SAMPLE_PACKED = ("temperature", "top_k", "top_p", "min_p", "top_logprobs", "seed", "step",
+                 "presence", "frequency", "repetition", "num_prompt")
 
 
 class PackedSample(NamedTuple):
-    """``SampleRows`` as the sampler takes it: the small fields packed (i32[N, 10R])."""
+    """``SampleRows`` as the sampler takes it: the small fields packed (i32[N, 11R])."""
 
     small: Packed
     bitmask: Any  # i32[N, R, W]

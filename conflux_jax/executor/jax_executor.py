@@ -915,6 +915,7 @@ class JaxExecutor:
             rows_in.top_k[rank, row] = spec.top_k
             rows_in.top_p[rank, row] = spec.top_p
             rows_in.min_p[rank, row] = spec.min_p
+            rows_in.top_logprobs[rank, row] = spec.top_logprobs
             rows_in.seed[rank, row] = spec.seed
             rows_in.step[rank, row] = step
             rows[req] = (rank, row)
@@ -1100,6 +1101,7 @@ class JaxExecutor:
         s_in.top_k[r, row] = [sp.top_k for sp in specs]
         s_in.top_p[r, row] = [sp.top_p for sp in specs]
         s_in.min_p[r, row] = [sp.min_p for sp in specs]
+        s_in.top_logprobs[r, row] = [sp.top_logprobs for sp in specs]
         s_in.seed[r, row] = [sp.seed for sp in specs]
         s_in.step[r, row] = [slot.sample_step for slot in slots]
         return r, j, row, index

@@ -202,7 +202,7 @@ def _rank_sample(cfg: StepConfig, logits: jax.Array, rows: SampleRows | PackedSa
                               rows.frequency, rows.repetition, rows.bias_ids, rows.bias)
     sampled = SampledRows(*sample(
         logits[0], rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
-        cfg.num_top_logprobs, adjust, rows.min_p))
+        cfg.num_top_logprobs, adjust, rows.min_p, rows.top_logprobs))
     return sampled.pack()[None]
 
 
