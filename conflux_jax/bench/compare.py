@@ -10,7 +10,10 @@ same checkpoint) through the ``--url`` client, beside the in-process engine; eac
 runs in its own process. For each concurrency ``c``:
 output tokens/s, mean TTFT and mean TBT (gap between a request's tokens), and our
 ratio to each peer (tokens/s: ours/peer, higher is better; TTFT/TBT: peer/ours, higher
-is better). Every number is measured in this run on this machine; nothing is quoted.
+is better), from the fastest of ``--repeats`` runs per system; beside it the paired ratio,
+the median over rounds of ours / peer within a round (each round runs every system back
+to back, so a slow phase of the host hits both sides of a pair). Every number is
+measured in this run on this machine; nothing is quoted.
 For a server peer the CPU time of the measuring client is recorded too (it runs on the
 cores the server uses; the in-process engine runs no client).
 """
@@ -22,6 +25,7 @@ import dataclasses
 import json
 import random
 import shlex
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,12 @@ class Measure:
                    1e3 * sum(r.ttft or 0.0 for r in ok) / len(ok),
                    1e3 * sum(gaps) / max(1, len(gaps)), wall_s,
                    sum(r.cached_tokens for r in ok))
+
+
+def paired_ratio(ours: list[float], peer: list[float]) -> float:
+    """The median over rounds of ours / peer within a round (the i-th runs of both ran
+    back to back): on a host whose speed drifts, steadier than the best of each."""
+    return statistics.median(o / p for o, p in zip(ours, peer, strict=True))
 
 
 def make_prompts(n: int, prompt_len: int, vocab: int, seed: int | str) -> list[list[int]]:
@@ -386,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[peer.name].append(m)
             if bound is not None:  # the bound too: one slow phase once sank it below ours
                 bounds.append(bound(c))
-        rows.append({"concurrency": c, **{k: best(v) for k, v in runs.items()}})
+        rows.append({"concurrency": c, **{k: best(v) for k, v in runs.items()},
+                     "runs_tokens_per_s": {k: [m.tokens_per_s for m in v]
+                                           for k, v in runs.items()}})
         if bounds:
             rows[-1]["dense_bound"] = max(bounds, key=lambda b: b.tokens_per_s).as_dict()
         # Every row records this host's floor for a decode step of c rows (issue 19:
@@ -412,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             p = row[peer.name]
             row[f"ratio_vs_{peer.name}"] = r = {
                 "tokens_per_s": o["tokens_per_s"] / p["tokens_per_s"],
+                "tokens_per_s_paired": paired_ratio(row["runs_tokens_per_s"]["ours"],
+                                                    row["runs_tokens_per_s"][peer.name]),
                 "ttft": p["ttft_ms"] / max(o["ttft_ms"], 1e-9),
                 "tbt": p["tbt_ms"] / max(o["tbt_ms"], 1e-9)}
             print(f"{'':>4} {peer.name:<10} {p['tokens_per_s']:>10.1f} {p['ttft_ms']:>9.0f} "
@@ -423,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                            for p in peers)
             print(f"{'':>4} {'bound':<10} {b['tokens_per_s']:>10.1f} {'':>9} "
                   f"{1e3 * b['decode_step_s']:>8.1f}   = {of}")
+    if peers and args.repeats > 1:  # each round's systems ran back to back: a slow phase
+        print("paired, ours over peer tok/s within each round (median of rounds): " + "; ".join(
+            f"{row['concurrency']} streams " + ", ".join(
+                f"{p.name} {row[f'ratio_vs_{p.name}']['tokens_per_s_paired']:.2f}x"
+                for p in peers) for row in rows))
     http = [p.name for p in peers if isinstance(p, ServerPeer)]
     if http:  # the client's share of the host, beside each server's wall time
         print("measuring client's CPU per run (same cores as the server): " + "; ".join(

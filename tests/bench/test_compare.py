@@ -41,6 +41,12 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
         assert row["ours"]["client_cpu_s"] is None
         assert row["ratio_vs_hf"]["tokens_per_s"] > 0
         assert row["ratio_vs_server"]["tokens_per_s"] > 0
+        runs = row["runs_tokens_per_s"]  # every round's figure, the best one among them
+        assert len(runs["ours"]) == len(runs["server"]) == 2  # --repeats' default
+        assert row["ours"]["tokens_per_s"] == max(runs["ours"])
+        # paired: the median over rounds of ours / peer within the round
+        assert row["ratio_vs_server"]["tokens_per_s_paired"] == pytest.approx(
+            (runs["ours"][0] / runs["server"][0] + runs["ours"][1] / runs["server"][1]) / 2)
         b = row["dense_bound"]  # the dense layers alone bound every engine, ours included
         assert b["decode_s"] == pytest.approx(2 * b["decode_step_s"])
         assert b["tokens_per_s"] == pytest.approx(
@@ -50,7 +56,7 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "ratio tok/s" in text and "hf" in text and "bound" in text
     assert "decode-step floor" in text and "x floor" in text
-    assert "measuring client's CPU per run" in text
+    assert "measuring client's CPU per run" in text and "paired" in text
     with pytest.raises(SystemExit):  # our server beside a server is not a comparison
         main(["compare", "--url", "http://127.0.0.1:9", "--peers", "server"])
 
