@@ -45,7 +45,7 @@ struct Problem {
 // The kernel once per ISA, each in its own namespace under its own target: V is the
 // widest vector (lanes floats); a register tile is MR_MAX rows by VECS vectors of a panel's
 // columns (MR_MAX x VECS accumulators plus VECS weight vectors fit the ISA's registers:
-// AVX-512 8 x 2 zmm, the whole panel; AVX2 6 x 2 ymm, half of it).
+// AVX-512 8 x 2 zmm, the whole panel; AVX2 6 x 2 ymm, half of it, or 3 x 4 ymm).
 #define CONFLUX_GEMM_ISA(NS, TARGET, LANES, VECS, MR_MAX)                                   \
   namespace NS {                                                                           \
   typedef float V __attribute__((vector_size(LANES * 4), aligned(4), may_alias));          \
@@ -127,6 +127,11 @@ struct Problem {
 #if defined(__x86_64__) && defined(__GNUC__)
 CONFLUX_GEMM_ISA(avx512, "avx512f", 16, 2, 8)
 CONFLUX_GEMM_ISA(avx2, "avx2,fma", 8, 2, 6)
+// AVX2 for few rows: 3 rows by the whole panel (4 ymm), so one pass reads each panel row
+// whole (both cache lines) instead of two passes over alternate lines: 1.4x faster at one
+// row and no slower at 16 on a Zen 3 host (bench/RESULTS.md); more rows keep the taller
+// tile, whose half-panel block stays in a 32 KiB L1 beside its rows of x.
+CONFLUX_GEMM_ISA(avx2_few, "avx2,fma", 8, 4, 3)
 #endif
 CONFLUX_GEMM_ISA(generic, "default", 4, 4, 4)
 
@@ -134,10 +139,12 @@ namespace {
 
 using PanelsFn = void (*)(const Problem&, int64_t, int64_t);
 
-// The host's widest kernel; $CONFLUX_GEMM_ISA (avx2 or generic) picks a narrower one, so
-// that tests run every kernel on a wide host. Read per call: a getenv is nothing next to a
-// GEMM.
-PanelsFn HostPanels() {
+constexpr int64_t kFewRows = 16;  // AVX2: up to this many rows, the whole-panel tile
+
+// The host's widest kernel for m rows; $CONFLUX_GEMM_ISA (avx2 or generic) picks a
+// narrower one, so that tests run every kernel on a wide host. Read per call: a getenv is
+// nothing next to a GEMM.
+PanelsFn HostPanels(int64_t m) {
   const char* forced = std::getenv("CONFLUX_GEMM_ISA");
   const std::string want = forced ? forced : "";
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -145,7 +152,9 @@ PanelsFn HostPanels() {
     if (__builtin_cpu_supports("avx512f")) return avx512::Panels;
   }
   if (want.empty() || want == "avx512" || want == "avx2") {
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::Panels;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return m <= kFewRows ? avx2_few::Panels : avx2::Panels;
+    }
   }
 #endif
   return generic::Panels;
@@ -154,7 +163,6 @@ PanelsFn HostPanels() {
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
                       ffi::ResultBuffer<ffi::F32> out) {
-  const PanelsFn panels_fn = HostPanels();
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto od = out->dimensions();
@@ -172,6 +180,7 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t live = std::clamp<int64_t>(rows.typed_data()[0], 0, pr.m);
   std::memset(pr.out + live * pr.n, 0, sizeof(float) * (pr.m - live) * pr.n);
   pr.m = live;
+  const PanelsFn panels_fn = HostPanels(pr.m);
   if (pr.m == 0 || pr.n == 0) return ffi::Error::Success();
   pr.w = w.typed_data() + static_cast<int64_t>(l) * pr.panels * pr.k * kPanel;
   if (pr.k == 0) {

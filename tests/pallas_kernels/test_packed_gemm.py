@@ -43,6 +43,7 @@ def _check(x, w, layer, isa, monkeypatch):
 @pytest.mark.parametrize(("rows", "k", "n"), [
     ((1,), 48, 32), ((7,), 48, 70), ((16,), 300, 96), ((2, 9), 64, 5), ((0,), 16, 32),
     ((33,), 520, 64),  # three K blocks (256 rows each), row tiles of 8 and a remainder
+    # AVX2 runs up to 16 rows as 3-row tiles of the whole panel, more as 6-row half-panels
 ])
 def test_matches_numpy_for_every_layer_and_kernel(rows, k, n, isa, monkeypatch):
     w = _rand(3, k, n)
