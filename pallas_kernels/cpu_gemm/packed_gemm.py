@@ -11,7 +11,8 @@ every row count: at 256 rows it runs at ~85% of the cores' FMA peak, as fast as 
 
 The handler is built on first use with the system C++ compiler into the kernel cache
 (``kernel_cache_dir``), with a kernel for AVX-512, AVX2 and plain vectors, picked per host
-when called. ``packed_matmul_xla`` is the same contract in ``jnp`` (the tests' second
+when called (AVX2 has two register tiles: whole-panel rows up to 16 rows, taller
+half-panel tiles above). ``packed_matmul_xla`` is the same contract in ``jnp`` (the tests' second
 oracle beside numpy, and the route on other platforms).
 """
 
