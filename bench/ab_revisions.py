@@ -47,29 +47,36 @@ for name, c in (("decode x16", 16), ("decode x1", 1)):
     batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
                                               StepBatch.specs()))
     split = hasattr(ex, "_samplers")  # a step of forward + sampler (older trees: one)
+    pooled = hasattr(ex, "kv_pools")  # one tuple of pools (older trees: k_pool, v_pool)
+
+    def run(f, *rest):  # the forward on the executor's pools, which it then replaces
+        if pooled:
+            out = f(ex.params, ex.kv_pools, *rest)
+            ex.kv_pools = out.kv_pools
+        else:
+            out = f(ex.params, ex.k_pool, ex.v_pool, *rest)
+            ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
+        return out
     if hasattr(ex, "device_inputs"):  # packed inputs: the executor puts them itself
         forward, sampler = ex.compiled_step(shape)
         inputs = ex.device_inputs(host)
-        def step(params, k, v, batch):
-            out = forward(params, k, v, *inputs.forward)
-            return out, sampler(out.logits, inputs.sample)
+        def step():
+            out = run(forward, *inputs.forward)
+            return sampler(out.logits, inputs.sample)
     elif split:
         forward = ex._compiled[shape]
         sampler = ex._samplers[StepBatch.sample_rows(shape, ex.layout)]
-        def step(params, k, v, batch):
-            out = forward(params, k, v, batch.rank, batch.shared)
-            return out, sampler(out.logits, batch.sample)
+        def step():
+            out = run(forward, batch.rank, batch.shared)
+            return sampler(out.logits, batch.sample)
     else:
         fused = ex._compiled[shape]
-        def step(params, k, v, batch):
-            out = fused(params, k, v, batch)
-            return out, out.sampled
+        def step():
+            return run(fused, batch).sampled
     times = []
     for _ in range(repeats + 1):  # the first run is a warm-up
         t = time.perf_counter()
-        res, sampled = step(ex.params, ex.k_pool, ex.v_pool, batch)
-        ex.k_pool, ex.v_pool = res.k_pool, res.v_pool
-        jax.block_until_ready(sampled)
+        jax.block_until_ready(step())
         times.append(time.perf_counter() - t)
     out[name] = times[1:]
 print("AB-RESULT " + json.dumps(out))

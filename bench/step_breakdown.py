@@ -94,8 +94,8 @@ def time_steps(ex: Any, shape: Any, host: StepBatch, repeats: int,  # noqa: ANN4
     for i in range(repeats + 1):  # the first round is a warm-up
         for j, forward in enumerate(forwards):
             start = time.perf_counter()
-            out = forward(weights[j], ex.k_pool, ex.v_pool, *inputs.forward)
-            ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
+            out = forward(weights[j], ex.kv_pools, *inputs.forward)
+            ex.kv_pools = out.kv_pools
             jax.block_until_ready(sampler(out.logits, inputs.sample))
             if i:
                 best[j] = min(best[j], time.perf_counter() - start)

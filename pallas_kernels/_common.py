@@ -6,9 +6,13 @@ Every op in this package has three implementations, the values of its ``impl`` a
 * ``"pallas"``: the Pallas kernel compiled for the GPU through Pallas' Triton lowering,
 * ``"interpret"``: the same Pallas kernel body run with ``interpret=True`` (any backend; tests).
 
+Attention over the combined K/V pool (``ragged_paged_attention.combined``) has a fourth,
+``"tpu"``: JAX's own Mosaic kernel (``jax.experimental.pallas.ops.tpu``), on a TPU backend.
+
 ``impl=None`` means auto: the ``CONFLUX_ATTENTION_IMPL`` environment variable when set,
-otherwise ``"pallas"`` on a GPU backend and ``"xla"`` everywhere else. Besides these, every op
-has a plain numpy reference (``ref_*``), the oracle the tests check all three against.
+otherwise ``"pallas"`` on a GPU backend, ``"tpu"`` on a TPU backend for the combined pool, and
+``"xla"`` everywhere else. Besides these, every op has a plain numpy reference (``ref_*``),
+the oracle the tests check all three against.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 IMPL_ENV_VAR = "CONFLUX_ATTENTION_IMPL"
 IMPLS = ("xla", "pallas", "interpret")
+TPU_IMPL = "tpu"  # JAX's TPU kernel: only over the combined K/V pool
 _RENAMED = {"reference": "xla"}  # impl values of earlier versions
 
 
@@ -30,18 +35,41 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_impl(impl: str | None) -> str:
-    """Turns the ``impl`` argument (or the env var, or the backend) into one of ``IMPLS``."""
+def on_tpu() -> bool:
+    """True when JAX's default backend is a TPU."""
+    return jax.default_backend() == "tpu"
+
+
+def asked_impl(impl: str | None) -> str | None:
+    """The implementation asked for by name (the argument, else the env var); None = auto."""
+    return impl or os.environ.get(IMPL_ENV_VAR, "").strip().lower() or None
+
+
+def resolve_impl(impl: str | None, combined_kv: bool = False) -> str:
+    """Turns the ``impl`` argument (or the env var, or the backend) into one of ``IMPLS``, or
+    ``"tpu"`` for an op over the combined K/V pool (``combined_kv``)."""
     source = "impl"
     if impl is None:
         env = os.environ.get(IMPL_ENV_VAR, "").strip().lower()
         if not env:
+            if combined_kv and on_tpu():
+                return TPU_IMPL
             return "pallas" if on_gpu() else "xla"
         impl, source = env, f"${IMPL_ENV_VAR}"
+    if impl == TPU_IMPL:
+        if not combined_kv:
+            raise ValueError(
+                f"{source}='tpu' is JAX's TPU kernel, which reads one combined K/V pool: use "
+                "ragged_paged_attention_combined (the step does, with kv_layout='combined')")
+        if not on_tpu():
+            raise ValueError(f"{source}='tpu' runs JAX's Mosaic kernel on a TPU, but JAX's "
+                             f"default backend is {jax.default_backend()!r}")
+        return impl
     if impl not in IMPLS:
         renamed = _RENAMED.get(impl) if isinstance(impl, str) else None
         hint = f"; {impl!r} is now called {renamed!r}" if renamed else ""
-        raise ValueError(f"{source}={impl!r} is not one of {IMPLS} (or None for auto){hint}")
+        allowed = (*IMPLS, TPU_IMPL) if combined_kv else IMPLS
+        raise ValueError(f"{source}={impl!r} is not one of {allowed} (or None for auto){hint}")
     if impl == "pallas" and not on_gpu():
         raise ValueError(
             f"{source}='pallas' compiles the kernel for a GPU, but JAX's default backend is "

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fast to compile); per_layer: arrays of their own, the layers "
                         "unrolled, so no matmul reads a copy of its weights (compiles "
                         "longer); auto = per_layer on a GPU/TPU, stacked on CPU")
+    p.add_argument("--kv-layout", choices=("auto", "split", "combined"), default="auto",
+                   help="split: a K pool and a V pool; combined: one pool, K and V of each "
+                        "head side by side (the layout of JAX's TPU attention kernel); auto "
+                        "= combined exactly when attention runs that kernel (on a TPU, head "
+                        "dims a multiple of 128), else split")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="share of each device's memory for weights, the largest step's "
                         "temporaries and the KV cache, as in vLLM (default 0.9 on a "
@@ -229,7 +234,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
                               linears=args.linears,
                               decode_attention=args.decode_attention,
                               prefill_attention=args.prefill_attention,
-                              layer_weights=args.layer_weights)
+                              layer_weights=args.layer_weights,
+                              kv_layout=args.kv_layout)
     return ckpt, executor
 
 

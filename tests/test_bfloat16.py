@@ -54,7 +54,7 @@ def test_llm_bf16_on_cpu_matches_the_dense_bf16_reference(tmp_path: Path) -> Non
                                              max_prefill_seqs=4))
     llm = LLM(str(folder), dtype="bfloat16", engine_config=EngineConfig(executor=ec))
     ex = llm.engine.executor
-    assert ex.dtype == jnp.bfloat16 and ex.k_pool.dtype == jnp.bfloat16
+    assert ex.dtype == jnp.bfloat16 and ex.kv_pools[0].dtype == jnp.bfloat16
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(ex.params))
 
     rng = np.random.default_rng(0)

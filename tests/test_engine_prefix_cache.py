@@ -29,7 +29,8 @@ def make_engine(mesh="sp=4,tp=1", num_pages=128, policy="conflux", caching=True,
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=num_pages, max_model_len=128,
                         buckets=BUCKETS, attention_impl=config.pop("attention_impl", None),
                         decode_attention=config.pop("decode_attention", "auto"),
-                        prefill_attention=config.pop("prefill_attention", "auto"))
+                        prefill_attention=config.pop("prefill_attention", "auto"),
+                        kv_layout=config.pop("kv_layout", "auto"))
     return Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
                   EngineConfig(executor=ec, policy=policy, enable_prefix_caching=caching,
                                **config))
@@ -185,15 +186,18 @@ def test_abort_mid_prefill_of_a_request_sharing_blocks():
     assert engine.scheduler.state(rid) is None
 
 
-@pytest.mark.parametrize("mesh,policy,impl", [
-    ("sp=2,tp=2", "conflux", None),
-    ("sp=1,tp=4", "chunked", None),
-    ("sp=4,tp=1", "isolated", None),
-    ("sp=4,tp=1", "conflux", "interpret"),  # the Pallas kernel
+@pytest.mark.parametrize("mesh,policy,impl,kv_layout", [
+    ("sp=2,tp=2", "conflux", None, "auto"),
+    ("sp=1,tp=4", "chunked", None, "auto"),
+    ("sp=4,tp=1", "isolated", None, "auto"),
+    ("sp=4,tp=1", "conflux", "interpret", "auto"),  # the Pallas kernel
+    # one K/V pool (JAX's TPU kernel's layout): loads, writes and transfers of K/V pairs
+    ("sp=2,tp=2", "conflux", None, "combined"),
 ])
-def test_meshes_policies_and_the_pallas_kernel(mesh, policy, impl):
+def test_meshes_policies_and_the_pallas_kernel(mesh, policy, impl, kv_layout):
     waves = shared_prefix_waves(seed=5, waves=2, per_wave=2, longest=40)
-    engine = make_engine(mesh, policy=policy, attention_impl=impl)
+    engine = make_engine(mesh, policy=policy, attention_impl=impl, kv_layout=kv_layout)
+    assert len(engine.executor.kv_pools) == (1 if kv_layout == "combined" else 2)
     got = run_waves(engine, waves)
     assert got == [solo_greedy(p, 6) for w in waves for p in w]
     assert engine.scheduler.prefix_hits > 0

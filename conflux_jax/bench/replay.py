@@ -55,8 +55,8 @@ def device_times(engine: Any, shape: Any, host: Any, repeats: int) -> list[float
     times = []
     for i in range(repeats + 1):  # the first run warms up (and waits out a running step)
         start = time.perf_counter()
-        out = forward(ex.params, ex.k_pool, ex.v_pool, *inputs.forward)
-        ex.k_pool, ex.v_pool = out.k_pool, out.v_pool
+        out = forward(ex.params, ex.kv_pools, *inputs.forward)
+        ex.kv_pools = out.kv_pools
         jax.device_get(sampler(out.logits, inputs.sample))
         if i:
             times.append(time.perf_counter() - start)

@@ -356,6 +356,7 @@ class SampledRows:
 class ForwardOutputs:
     """The forward's result: the updated (donated) KV pools and the sampling rows' logits."""
 
-    k_pool: jax.Array  # f[N, L, pages, page_size, Hkv, d]
-    v_pool: jax.Array  # f[N, L, pages, page_size, Hkv, d]
+    # (K, V) each f[N, L, pages, page_size, Hkv, d], or (KV,) f[N, L, pages, page_size,
+    # 2*Hkv, d] (``StepConfig.kv_layout``)
+    kv_pools: tuple[jax.Array, ...]
     logits: jax.Array  # f32[N, R, V]

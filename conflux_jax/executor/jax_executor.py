@@ -52,10 +52,12 @@ from conflux_jax.executor.mesh import SP, MeshSpec, make_mesh
 from conflux_jax.executor.multihost import STOP, StepChannel, put_global, unpack
 from conflux_jax.executor.step import (
     ATTENTION,
+    KV_LAYOUTS,
     KV_POOL_SPEC,
     StepConfig,
     build_step,
     kv_pool_shape,
+    num_kv_pools,
     param_specs,
     transfer_link_bytes,
 )
@@ -74,9 +76,10 @@ from conflux_jax.plan import (
     StepResult,
 )
 from conflux_jax.sampling import MAX_LOGIT_BIAS, mask_words
-from pallas_kernels._common import resolve_impl
+from pallas_kernels._common import TPU_IMPL, asked_impl, resolve_impl
 from pallas_kernels.cpu_attention import paged_attention_available
 from pallas_kernels.cpu_gemm import blas_available, packed_gemm_available
+from pallas_kernels.ragged_paged_attention.combined import tpu_kernel_obstacle
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +125,17 @@ class ExecutorConfig:
     # KV pool around each layer's attention loop) and compiled 4.6x longer, for a decode
     # step within the host's noise.
     layer_weights: str = "auto"
+    # How the KV is pooled: "split" (a K pool and a V pool) or "combined" (one pool, K and V
+    # of each head side by side: the layout JAX's TPU kernel reads). "auto" = combined
+    # exactly when attention runs that kernel (``attention_impl`` "tpu", the default on a
+    # TPU for head dims it takes), else split.
+    kv_layout: str = "auto"
 
 
 LINEAR_CHOICES = ("auto", *LINEARS)
 LAYER_WEIGHTS = ("auto", "stacked", "per_layer")
 ATTENTION_CHOICES = ("auto", *ATTENTION)
+KV_LAYOUT_CHOICES = ("auto", *KV_LAYOUTS)
 
 
 def resolve_layer_weights(layer_weights: str, linears: str, platform: str) -> str:
@@ -175,8 +184,34 @@ def resolve_linears(linears: str, platform: str, dtype: Any, tp: int) -> str:
     return "xla"
 
 
+def resolve_kv_layout(choice: str, attention_impl: str | None, config: ModelConfig,
+                      n: int, tp: int, dtype: Any) -> tuple[str, str]:
+    """(kv layout, attention impl) for ``ExecutorConfig.kv_layout`` and ``attention_impl``;
+    ``config`` has the mesh's padded head counts. JAX's TPU kernel asked for by name where
+    it cannot run (or with split pools) is refused with the reason; picked by default, it
+    gives way to the XLA path."""
+    if choice not in KV_LAYOUT_CHOICES:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUT_CHOICES}, got {choice!r}")
+    impl = resolve_impl(attention_impl, combined_kv=True)
+    if impl != TPU_IMPL:
+        return ("combined" if choice == "combined" else "split"), impl
+    asked = asked_impl(attention_impl) == TPU_IMPL
+    # The kernel's calls: prefill over head shards (Ulysses), decode over the rank's heads.
+    hq, hkv, d = config.num_heads // tp, config.num_kv_heads // tp, config.head_dim
+    why = (tpu_kernel_obstacle(hq // n, hkv // n, d, dtype)
+           or tpu_kernel_obstacle(hq, hkv, d, dtype))
+    if choice == "split":
+        why = why or "kv_layout='split' was asked for, and the kernel reads the combined pool"
+    if not why:
+        return "combined", impl
+    if asked:
+        raise ValueError(f"attention_impl='tpu' cannot run: {why}")
+    log.warning("attention: the kernel's XLA form (JAX's TPU kernel cannot run: %s)", why)
+    return ("combined" if choice == "combined" else "split"), "xla"
+
+
 def resolve_attention(option: str, choice: str, platform: str, dtype: Any,
-                      attention_impl: str | None) -> str:
+                      attention_impl: str | None, kv_layout: str = "split") -> str:
     """"rpa" or "cpu" for ``ExecutorConfig.decode_attention`` or ``prefill_attention``
     (``option``, named in errors); "cpu" asked for where it cannot run is refused with the
     reason."""
@@ -184,7 +219,9 @@ def resolve_attention(option: str, choice: str, platform: str, dtype: Any,
         raise ValueError(f"{option} must be one of {ATTENTION_CHOICES}, got {choice!r}")
     if choice == "rpa":
         return choice
-    why = _cpu_fp32_obstacle(platform, dtype)
+    why = _cpu_fp32_obstacle(platform, dtype) or (
+        "it reads split K and V pools (kv_layout is combined)" if kv_layout == "combined"
+        else "")
     if not why and choice == "auto" and resolve_impl(attention_impl) != "xla":
         return "rpa"  # the kernel asked for by name (interpret, pallas) runs everywhere
     why = why or paged_attention_available()[1]
@@ -260,8 +297,7 @@ class _Dispatched(NamedTuple):
 
     out: Any  # the forward's outputs (logits, new pools)
     sampled: jax.Array  # i32[N, R, packed]: the sampler's packed rows
-    k_pool: jax.Array
-    v_pool: jax.Array
+    kv_pools: tuple[jax.Array, ...]
 
 
 class LaunchedStep:
@@ -328,9 +364,11 @@ class JaxExecutor:
         self.linears = resolve_linears(ec.linears, self.platform, self.dtype, tp)
         if self.layer_weights == "per_layer" and self.linears == "blas":
             self.linears = "xla"  # per-layer weights leave OpenBLAS no copy to spare
+        self.kv_layout, self.attention_impl = resolve_kv_layout(
+            ec.kv_layout, ec.attention_impl, padded_config, n, tp, self.dtype)
         self.decode_attention, self.prefill_attention = (
             resolve_attention(option, getattr(ec, option), self.platform, self.dtype,
-                              ec.attention_impl)
+                              self.attention_impl, self.kv_layout)
             for option in ("decode_attention", "prefill_attention"))
         log.info("attention: %s in decode, %s in prefill", *(
             "the CPU handler (KV pages read in place)" if a == "cpu"
@@ -361,9 +399,9 @@ class JaxExecutor:
             return StepConfig(
                 model=padded_config, num_ranks=n, tp=tp, page_size=ec.page_size,
                 num_pages=num_pages, num_top_logprobs=ec.num_top_logprobs,
-                attention_impl=ec.attention_impl, linears=self.linears,
+                attention_impl=self.attention_impl, linears=self.linears,
                 decode_attention=self.decode_attention,
-                prefill_attention=self.prefill_attention,
+                prefill_attention=self.prefill_attention, kv_layout=self.kv_layout,
                 replicate_samples=self.process_count > 1)
 
         def layout(num_pages: int) -> BatchLayout:
@@ -380,8 +418,11 @@ class JaxExecutor:
         self._kv_spec = KVSpec(num_ranks=n, num_pages=num_pages, page_size=ec.page_size)
         pool_sharding = NamedSharding(self.mesh, KV_POOL_SPEC)
         shape = kv_pool_shape(self.step_config)
-        self._zero_pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_sharding)
-        self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
+        count = num_kv_pools(self.step_config)
+        self._zero_pools = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(count)),
+                                   out_shardings=(pool_sharding,) * count)
+        # (K, V) or (KV,) (``kv_layout``): donated to every forward, replaced by its outputs
+        self.kv_pools = self._zero_pools()
         self._step = build_step(self.step_config, self.mesh, self._param_specs)
         self.layout = layout(num_pages)
         # Device-resident mask / history / bias padding per row count R: a step with no
@@ -466,7 +507,8 @@ class JaxExecutor:
         probe = build_step(step_config(probe_pages), self.mesh, self._param_specs)
         pool = jax.ShapeDtypeStruct(kv_pool_shape(step_config(probe_pages)), self.dtype,
                                     sharding=NamedSharding(self.mesh, KV_POOL_SPEC))
-        mem = probe.forward.lower(*self._abstract_args(largest, layout(probe_pages), pool)
+        pools = (pool,) * num_kv_pools(step_config(probe_pages))
+        mem = probe.forward.lower(*self._abstract_args(largest, layout(probe_pages), pools)
                                   ).compile().memory_analysis()
         probe_pool = probe_pages * page_bytes  # K and V on this device
         inputs = max(0, mem.argument_size_in_bytes - weights - probe_pool)
@@ -581,8 +623,8 @@ class JaxExecutor:
         return self._compiled[shape], self._samplers[rows]
 
     def _abstract_args(self, shape: StepShape, layout: BatchLayout | None = None,
-                       pool: jax.ShapeDtypeStruct | None = None):
-        """The forward's abstract arguments for ``shape`` (``layout`` and ``pool``: a
+                       pools: tuple[jax.ShapeDtypeStruct, ...] | None = None):
+        """The forward's abstract arguments for ``shape`` (``layout`` and ``pools``: a
         stand-in pool's, when sizing the real one)."""
         packed = pack_forward(StepBatch.padding(shape, layout or self.layout))
         rank, shared = _abstract(packed, self._packed_shardings(packed))
@@ -590,9 +632,9 @@ class JaxExecutor:
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
-        if pool is None:
-            pool = abstract(self.k_pool)
-        return (jax.tree.map(abstract, self.params), pool, pool, rank, shared)
+        if pools is None:
+            pools = tuple(abstract(pool) for pool in self.kv_pools)
+        return (jax.tree.map(abstract, self.params), pools, rank, shared)
 
     def _abstract_sample_args(self, rows: int, layout: BatchLayout | None = None):
         """The sampler's abstract arguments for ``rows`` (R) sampling rows per rank."""
@@ -732,26 +774,26 @@ class JaxExecutor:
         (host work that overlaps the forward). Returns before the device has finished
         either."""
         forward, sampler = self.compiled_step(shape)
-        k_pool, v_pool = self.k_pool, self.v_pool
+        pools = self.kv_pools
         out = None
         with self.guard.watch():
             try:
                 if complete is None:  # the sampler's rows are known: one transfer
                     inputs = self._put_packed(self._pack(host) if packed is None else packed)
-                    out = forward(self.params, k_pool, v_pool, *inputs.forward)
+                    out = forward(self.params, pools, *inputs.forward)
                     sample = inputs.sample
                 else:
-                    out = forward(self.params, k_pool, v_pool, *self._put_forward(host))
+                    out = forward(self.params, pools, *self._put_forward(host))
                     sample = self._put_sample(complete())  # while the forward runs
                 # The forward's pools, valid unless it fails (which surfaces below).
-                self.k_pool, self.v_pool = out.k_pool, out.v_pool
+                self.kv_pools = out.kv_pools
                 sampled = sampler(out.logits, sample)
             except Exception as exc:
-                lost = self._kv_lost(exc, k_pool, v_pool, out)
+                lost = self._kv_lost(exc, pools, out)
                 if lost is None:
                     raise
                 raise lost from exc
-        return _Dispatched(out, sampled, k_pool, v_pool)
+        return _Dispatched(out, sampled, pools)
 
     def _collect(self, step: _Dispatched) -> tuple[Any, Any]:
         """Wait for a dispatched step: the numpy ``SampledRows`` (replicated: every rank's
@@ -762,25 +804,25 @@ class JaxExecutor:
             logits = jax.device_get(step.out.logits) if self.exec_config.return_logits \
                 else None
         except Exception as exc:
-            lost = self._kv_lost(exc, step.k_pool, step.v_pool, step.out)
+            lost = self._kv_lost(exc, step.kv_pools, step.out)
             if lost is None:
                 raise
             raise lost from exc
         return s, logits
 
-    def _kv_lost(self, exc: Exception, k_pool: jax.Array, v_pool: jax.Array,
+    def _kv_lost(self, exc: Exception, pools: tuple[jax.Array, ...],
                  out: Any) -> KVLost | None:  # noqa: ANN401
         """For a step that raised ``exc``: when it took the KV with it (the pools were
         donated to a forward that failed), rebuild them empty and return the
         :class:`KVLost` to raise; None when the KV is intact."""
         if self.channel is not None:
             return None  # fails the instance (ExecutorLost): no pool to rebuild
-        if not (k_pool.is_deleted() or v_pool.is_deleted()):
+        if not any(pool.is_deleted() for pool in pools):
             return None  # failed before the pools were donated: they still hold the KV
-        if out is not None and _computed(out.k_pool) and _computed(out.v_pool):
+        if out is not None and all(_computed(pool) for pool in out.kv_pools):
             return None  # the forward ran: its pools hold the KV (the host or sampler failed)
         # Donated to the failed call: deleted, and its outputs hold the error.
-        self.k_pool, self.v_pool = self._zero_pool(), self._zero_pool()
+        self.kv_pools = self._zero_pools()
         return KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
                       "its donated KV pools are gone and were rebuilt empty")
 

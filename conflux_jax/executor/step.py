@@ -16,11 +16,16 @@ Per rank and per layer (DESIGN.md §3, paper §4):
 4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
 
 A step is two pure functions, each one compiled executable: the forward
-``(params, k_pool, v_pool, RankInputs, SharedInputs) -> ForwardOutputs`` (KV donated) and
+``(params, kv_pools, RankInputs, SharedInputs) -> ForwardOutputs`` (KV donated) and
 the sampler ``(logits, SampleRows) -> SampledRows``. The host dispatches the forward, fills
 the token masks of grammar-constrained rows while the device runs it, then dispatches the
 sampler (vLLM's overlap of the structured-output bitmask with the forward pass); an
 unconstrained step dispatches both at once and reads its tokens once.
+
+The KV lives in two pools, K and V (``kv_layout="split"``), or in one combined pool with K
+and V of each head side by side (``"combined"``, the layout of JAX's TPU kernel; see
+``pallas_kernels.ragged_paged_attention.combined``). Every write, transfer and prefix-cache
+load treats each pool alike: a contiguous head shard of the combined pool is whole K/V pairs.
 """
 
 from __future__ import annotations
@@ -51,7 +56,11 @@ from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params, layers_unstacked
 from conflux_jax.sampling import LogitAdjustments, sample
 from pallas_kernels.cpu_attention import paged_decode, paged_prefill
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import (
+    combine_kv,
+    ragged_paged_attention,
+    ragged_paged_attention_combined,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,19 +79,27 @@ class StepConfig:
     # (``pallas_kernels.cpu_attention``) instead of ``ragged_paged_attention``.
     decode_attention: str = "rpa"
     prefill_attention: str = "rpa"
+    kv_layout: str = "split"  # "split": K and V pools; "combined": one (see the docstring)
     # Multi-process: the sampler returns its rows replicated (see ``build_step``).
     replicate_samples: bool = False
 
 
 def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
-    """Global KV pool shape, one of K and V: f[N, L, pages, page_size, Hkv, d]."""
+    """Global shape of each KV pool: f[N, L, pages, page_size, Hkv, d] (K or V), or
+    f[N, L, pages, page_size, 2*Hkv, d] (the combined pool)."""
     m = cfg.model
-    return (cfg.num_ranks, m.num_layers, cfg.num_pages, cfg.page_size, m.num_kv_heads,
-            m.head_dim)
+    heads = m.num_kv_heads * (2 if cfg.kv_layout == "combined" else 1)
+    return (cfg.num_ranks, m.num_layers, cfg.num_pages, cfg.page_size, heads, m.head_dim)
+
+
+def num_kv_pools(cfg: StepConfig) -> int:
+    """2 (K, V) or 1 (combined)."""
+    return 1 if cfg.kv_layout == "combined" else 2
 
 
 KV_POOL_SPEC = P(SP, None, None, None, TP, None)
 ATTENTION = ("rpa", "cpu")
+KV_LAYOUTS = ("split", "combined")
 
 
 def transfer_link_bytes(cfg: StepConfig, groups: int, itemsize: int) -> int:
@@ -116,29 +133,36 @@ def param_specs(params: Params) -> Params:
     return out
 
 
-def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: jax.Array,
+def _rank_forward(cfg: StepConfig, params: Params, kv_pools: tuple[jax.Array, ...],
                   rank: RankInputs | Packed, meta: SharedInputs | Packed) -> ForwardOutputs:
     """The forward's body on every device. Per-rank arrays arrive with a leading axis of
     size 1, as they are or packed (what the executor sends: one buffer each)."""
     n, ps = cfg.num_ranks, cfg.page_size
     rank, meta = unpacked(rank), unpacked(meta)
     b = jax.tree.map(lambda a: a[0], rank)  # this rank's inputs
-    k_pool, v_pool = k_pool[0], v_pool[0]  # f[L, pages, ps, Hkv_local, d]
+    pools = tuple(pool[0] for pool in kv_pools)  # each f[L, pages, ps, H_local, d]
     model = Decoder(cfg.model, params)
     t = b.tokens.shape[0]
     p = meta.perm.shape[0] // n
     d_slots = b.decode_index.shape[0]
     x_groups = b.transfer_src.shape[0]
     decode_cu = jnp.arange(d_slots + 1, dtype=jnp.int32)
-    rpa = functools.partial(ragged_paged_attention, impl=cfg.attention_impl)
+    combined = cfg.kv_layout == "combined"
+    rpa = functools.partial(ragged_paged_attention_combined if combined
+                            else ragged_paged_attention, impl=cfg.attention_impl)
     attn = _cpu_prefill if cfg.prefill_attention == "cpu" else rpa
     decode_attn = _cpu_decode if cfg.decode_attention == "cpu" else rpa
 
+    def pool_rows(k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        """What each pool stores of K and V f[T, Hkv, d]: (K, V) or (K/V interleaved,)."""
+        return (combine_kv(k, v),) if combined else (k, v)
+
     def attend(layer, q, k, v, kv):
-        kp, vp = kv  # f[L, pages, ps, Hkv_l, d]: written in place, read one layer at a time
-        _, pages, _, hkv, hd = kp.shape
+        # each pool f[L, pages, ps, H_l, d]: written in place, read one layer at a time
+        kv = tuple(kv)
+        _, pages, _, heads, hd = kv[0].shape
         base = layer * pages
-        view = (pages, ps * n, hkv // n, hd)  # prefill view (KV aliasing: a free reshape)
+        view = (pages, ps * n, heads // n, hd)  # prefill view (KV aliasing: a free reshape)
         # Every write of the layer comes before every read: an in-place write after an
         # attention loop has read the pool makes XLA copy the whole pool.
         if p:
@@ -148,30 +172,30 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
                 a = jax.lax.all_to_all(a[:p], SP, split_axis=1, concat_axis=0, tiled=True)
                 return a[meta.perm]
 
-            qa, ka, va = to_heads(q), to_heads(k), to_heads(v)
+            qa = to_heads(q)
+            rows = tuple(to_heads(a) for a in pool_rows(k, v))
             if x_groups:
-                kp = _load_cached(kp, layer, base, b, meta, view)
-                vp = _load_cached(vp, layer, base, b, meta, view)
-            kp = _write_stacked(kp, layer, ka, b.prefill_slot, view)
-            vp = _write_stacked(vp, layer, va, b.prefill_slot, view)
+                kv = tuple(_load_cached(pool, layer, base, b, meta, view) for pool in kv)
+            kv = tuple(_write_stacked(pool, layer, r, b.prefill_slot, view)
+                       for pool, r in zip(kv, rows, strict=True))
             if x_groups:
-                kp = _transfer(_layers_as_pages(kp, view), kp, layer, base, b, meta)
-                vp = _transfer(_layers_as_pages(vp, view), vp, layer, base, b, meta)
+                kv = tuple(_transfer(_layers_as_pages(pool, view), pool, layer, base, b, meta)
+                           for pool in kv)
         idx = jnp.minimum(b.decode_index, t - 1)
-        kp = _write_stacked(kp, layer, k[idx], b.decode_slot, kp.shape[1:])
-        vp = _write_stacked(vp, layer, v[idx], b.decode_slot, vp.shape[1:])
+        kv = tuple(_write_stacked(pool, layer, r, b.decode_slot, pool.shape[1:])
+                   for pool, r in zip(kv, pool_rows(k[idx], v[idx]), strict=True))
         # Attention reads the stacked pool through page ids offset to this layer: slicing
         # the layer out first would copy a whole layer of KV per layer.
         out = jnp.zeros_like(q)
         if p:
-            o = attn(qa, _layers_as_pages(kp, view), _layers_as_pages(vp, view),
+            o = attn(qa, *(_layers_as_pages(pool, view) for pool in kv),
                      meta.kv_lens, b.prefill_pages + base, meta.cu_q_lens, meta.num_seqs)
             if n > 1:
                 o = jax.lax.all_to_all(o[meta.inverse], SP, split_axis=0, concat_axis=1,
                                        tiled=True)  # [P, Hq_l, d], sequence-sharded again
             out = out.at[:p].set(o)
-        k_dec, v_dec = _layers_as_pages(kp, kp.shape[1:]), _layers_as_pages(vp, vp.shape[1:])
-        od = decode_attn(q[idx], k_dec, v_dec, b.decode_kv_len, b.decode_pages + base,
+        dec = tuple(_layers_as_pages(pool, pool.shape[1:]) for pool in kv)
+        od = decode_attn(q[idx], *dec, b.decode_kv_len, b.decode_pages + base,
                          decode_cu, b.num_decode[None])
         out = out.at[b.decode_index].set(od, mode="drop")
         # Owner-alone suffixes: each a ragged sequence over its rank's full-head pages (the
@@ -179,18 +203,18 @@ def _rank_forward(cfg: StepConfig, params: Params, k_pool: jax.Array, v_pool: ja
         lidx = jnp.minimum(b.local_index, t - 1)
         ol = jax.lax.cond(
             b.num_local > 0,
-            lambda: attn(q[lidx], k_dec, v_dec, b.local_kv_len, b.local_pages + base,
+            lambda: attn(q[lidx], *dec, b.local_kv_len, b.local_pages + base,
                          b.local_cu, b.num_local[None], query_len="long"),
             lambda: jnp.zeros((lidx.shape[0], *q.shape[1:]), q.dtype))
         out = out.at[b.local_index].set(ol, mode="drop")
-        return out, (kp, vp)
+        return out, kv
 
     x = model.embed_tokens(b.tokens)
     tp_axis = TP if cfg.tp > 1 else None
-    x, (k_pool, v_pool) = model.run_layers(x, b.positions, attend, (k_pool, v_pool), tp_axis,
-                                           linears=cfg.linears, live_rows=b.num_rows)
+    x, pools = model.run_layers(x, b.positions, attend, pools, tp_axis,
+                                linears=cfg.linears, live_rows=b.num_rows)
     logits = model.logits(x[b.sample_index], live_rows=b.num_sample)  # f32[R, V]
-    return ForwardOutputs(k_pool[None], v_pool[None], logits[None])
+    return ForwardOutputs(tuple(pool[None] for pool in pools), logits[None])
 
 
 def _rank_sample(cfg: StepConfig, logits: jax.Array, rows: SampleRows | PackedSample
@@ -253,8 +277,9 @@ def _transfer(prefill_pages: jax.Array, pool: jax.Array, layer: jax.Array, base:
     """Move completed prefills' head-sharded KV into full-head pages on their decode rank.
 
     prefill_pages f[L*pages, ps*N, Hkv/N, d] (all layers, prefill view; this layer's pages
-    start at ``base``); pool f[L, pages, ps, Hkv, d]. Each moved page group is N
-    prefill-view pages (one per rank, one head shard each) = N decode pages.
+    start at ``base``); pool f[L, pages, ps, Hkv, d] (2*Hkv heads: a combined pool). Each
+    moved page group is N prefill-view pages (one per rank, one head shard each) = N decode
+    pages.
     """
     _, _, ps, hkv, hd = pool.shape
     n, x = meta.transfer_count.shape[0], b.transfer_src.shape[0]
@@ -364,15 +389,15 @@ def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) ->
 class Step:
     """The step's two jitted functions (see the module docstring)."""
 
-    forward: Any  # (params, k_pool, v_pool, RankInputs, SharedInputs) -> ForwardOutputs
+    forward: Any  # (params, kv_pools, RankInputs, SharedInputs) -> ForwardOutputs
     # (logits f32[N, R, V], SampleRows) -> i32[N, R, 2 + 2K]: SampledRows packed
     sample: Any
 
-    def __call__(self, params: Params, k_pool: jax.Array, v_pool: jax.Array,
+    def __call__(self, params: Params, kv_pools: tuple[jax.Array, ...],
                  batch: StepBatch) -> tuple[ForwardOutputs, SampledRows]:
         """Both, one after the other, the sampled rows read back (benchmarks and tests;
         the executor overlaps them)."""
-        out = self.forward(params, k_pool, v_pool, batch.rank, batch.shared)
+        out = self.forward(params, kv_pools, batch.rank, batch.shared)
         sampled = self.sample(out.logits, batch.sample)
         return out, SampledRows.from_packed(np.asarray(jax.device_get(sampled)))
 
@@ -381,10 +406,11 @@ def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params) ->
     """The jitted forward (KV pools donated) and sampler. Their batch arguments may be
     packed (:class:`~conflux_jax.executor.batch.Packed`) or not: the specs are prefixes."""
     rows = P(SP)
+    pools = (KV_POOL_SPEC,) * num_kv_pools(cfg)
     forward = jax.shard_map(
         functools.partial(_rank_forward, cfg), mesh=mesh,
-        in_specs=(params_spec, KV_POOL_SPEC, KV_POOL_SPEC, P(SP), P()),
-        out_specs=ForwardOutputs(KV_POOL_SPEC, KV_POOL_SPEC, rows), check_vma=False)
+        in_specs=(params_spec, pools, P(SP), P()),
+        out_specs=ForwardOutputs(pools, rows), check_vma=False)
     sampler = jax.shard_map(
         functools.partial(_rank_sample, cfg), mesh=mesh, in_specs=(rows, P(SP)),
         out_specs=rows, check_vma=False)
@@ -398,4 +424,4 @@ def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params) ->
             return jax.lax.with_sharding_constraint(sampler_sharded(logits, rows),
                                                     everywhere)
 
-    return Step(jax.jit(forward, donate_argnums=(1, 2)), jax.jit(sampler))
+    return Step(jax.jit(forward, donate_argnums=(1,)), jax.jit(sampler))

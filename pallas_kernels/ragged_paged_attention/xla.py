@@ -67,18 +67,38 @@ def _chunk_table(page_indices: jax.Array, num_pages: int, page_size: int,
     return chunk_pages, chunk_pages * page_size, table
 
 
+def _page_rows(k_pages: jax.Array, v_pages: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Pages as flat rows, (K f[P, page_size * Hkv * d], V) or, for a combined pool
+    (``v_pages`` None), (KV f[P, page_size * 2*Hkv * d],). One buffer per pool: callers
+    that hold a pool under several page shapes (the Conflux step's prefill and decode
+    views) then hand every loop the same buffer, which XLA would otherwise copy whole into
+    each loop that reads a differently shaped view."""
+    p = k_pages.shape[0]
+    if v_pages is None:
+        return (k_pages.reshape(p, -1),)
+    return k_pages.reshape(p, -1), v_pages.reshape(p, -1)
+
+
+def _kv_heads(k_pages: jax.Array, v_pages: jax.Array | None) -> int:
+    """Hkv of the pools (a combined pool holds two slots per head)."""
+    return k_pages.shape[2] // (2 if v_pages is None else 1)
+
+
 def _chunk_softmax(
     qb: jax.Array,  # f32[G, b, Hkv, group, d] scaled queries
-    k_rows: jax.Array,  # f[P, page_size * Hkv * d] pages as flat rows
-    v_rows: jax.Array,  # f[P, page_size * Hkv * d]
+    rows: tuple[jax.Array, ...],  # ``_page_rows``: K and V, or the combined pool
     pages: jax.Array,  # i32[G, chunk_pages] the chunk's pages per block
     visible: jax.Array,  # bool[G, b, chunk] query may see key
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KV chunk's partial softmax: (o f32[G, b, Hkv, group, d] unnormalised, m the row
     max f32[G, b, Hkv, group] (-inf when all masked), l the row sum)."""
     g, b, hkv, _, d = qb.shape
-    k = k_rows[pages].reshape(g, -1, hkv, d)
-    v = v_rows[pages].reshape(g, -1, hkv, d)
+    if len(rows) == 1:  # combined: the chunk's pages gathered once, then K and V apart
+        kv = rows[0][pages].reshape(g, -1, 2 * hkv, d)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]
+    else:
+        k = rows[0][pages].reshape(g, -1, hkv, d)
+        v = rows[1][pages].reshape(g, -1, hkv, d)
     # fp32 KV gets exact fp32 dots (no TF32 on a GPU, no bf16 passes on a TPU): the tests'
     # tolerance. bf16 KV takes the default: its values are exact in TF32 and the sums are
     # fp32 either way (preferred_element_type), so HIGHEST would only cost time.
@@ -116,8 +136,8 @@ def _blocks_to_rows(q: jax.Array, o: jax.Array, sch: Schedule) -> jax.Array:
 )
 def rpa_xla(
     q: jax.Array,  # f[T, Hq, d]
-    k_pages: jax.Array,  # f[P, page_size, Hkv, d]
-    v_pages: jax.Array,  # f[P, page_size, Hkv, d]
+    k_pages: jax.Array,  # f[P, page_size, Hkv, d], or the combined pool f[P, ps, 2*Hkv, d]
+    v_pages: jax.Array | None,  # f[P, page_size, Hkv, d]; None with the combined pool
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -129,13 +149,15 @@ def rpa_xla(
     kv_chunk: int,
     split_kv: bool,
 ) -> jax.Array:  # f[T, Hq, d]
-    """Jitted core of the XLA path: inputs already validated, ``sm_scale`` resolved."""
+    """Jitted core of the XLA path: inputs already validated, ``sm_scale`` resolved; K and V
+    pools, or one combined pool (``combined.py``) as ``k_pages`` with ``v_pages`` None."""
     if split_kv:
         return _rpa_xla_split_kv(
             q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
             sm_scale=sm_scale, block_q=block_q, group_size=group_blocks, kv_chunk=kv_chunk)
     t, hq, d = q.shape
-    p, ps, hkv, _ = k_pages.shape
+    p, ps, _, _ = k_pages.shape
+    hkv = _kv_heads(k_pages, v_pages)
     s, pps = page_indices.shape
     group = hq // hkv
     b = block_q
@@ -150,10 +172,7 @@ def rpa_xla(
     chunk_pages, chunk, table = _chunk_table(page_indices, p, ps, kv_chunk)
     offs = jnp.arange(b, dtype=jnp.int32)
     kv_end = jnp.where(live, pos0 + jnp.pad(sch.ntok, (0, pad)), 0)  # keys: [0, kv_end)
-    # Pages as flat rows: callers that hold one pool under several page shapes (the Conflux
-    # step's prefill and decode views) then hand every loop the same buffer, which XLA
-    # would otherwise copy whole into each loop that reads a differently shaped view.
-    k_rows, v_rows = k_pages.reshape(p, -1), v_pages.reshape(p, -1)
+    rows = _page_rows(k_pages, v_pages)
 
     def block_group(i: jax.Array, out: jax.Array) -> jax.Array:
         def take(x: jax.Array) -> jax.Array:
@@ -169,7 +188,7 @@ def rpa_xla(
             acc, m, l_sum = state  # f32[gb, b, Hkv, group, d], f32[gb, b, Hkv, group] x2
             pages = lax.dynamic_slice_in_dim(tbl, c * chunk_pages, chunk_pages, axis=1)
             key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            o_c, m_c, l_c = _chunk_softmax(qb, k_rows, v_rows, pages,
+            o_c, m_c, l_c = _chunk_softmax(qb, rows, pages,
                                            key_pos[None, None, :] <= q_pos[:, :, None])
             m_next = jnp.maximum(m, m_c)  # online softmax: rescale both sides to m_next
             m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # no NaN while all masked
@@ -194,8 +213,8 @@ def rpa_xla(
 
 def _rpa_xla_split_kv(
     q: jax.Array,  # f[T, Hq, d]
-    k_pages: jax.Array,  # f[P, page_size, Hkv, d]
-    v_pages: jax.Array,  # f[P, page_size, Hkv, d]
+    k_pages: jax.Array,  # f[P, page_size, Hkv, d] (or combined: see rpa_xla)
+    v_pages: jax.Array | None,  # f[P, page_size, Hkv, d]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -211,7 +230,8 @@ def _rpa_xla_split_kv(
     blocks. Work follows the summed live lengths, however unequal (one long sequence is
     split over a whole group instead of walked chunk by chunk)."""
     t, hq, d = q.shape
-    p, ps, hkv, _ = k_pages.shape
+    p, ps, _, _ = k_pages.shape
+    hkv = _kv_heads(k_pages, v_pages)
     s, pps = page_indices.shape
     group = hq // hkv
     b, gw = block_q, group_size
@@ -227,7 +247,7 @@ def _rpa_xla_split_kv(
     total = items_end[-1]
     offs = jnp.arange(b, dtype=jnp.int32)
     lane = jnp.arange(gw, dtype=jnp.int32)
-    k_rows, v_rows = k_pages.reshape(p, -1), v_pages.reshape(p, -1)  # see rpa_xla
+    rows_kv = _page_rows(k_pages, v_pages)
 
     def item_group(i: jax.Array, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         acc, m_acc, l_acc = state  # f32[G+gw, b, Hkv, group, d], f32[G+gw, b, Hkv, group] x2
@@ -241,7 +261,7 @@ def _rpa_xla_split_kv(
         pages = table[seq[blk][:, None], c[:, None] * chunk_pages + jnp.arange(chunk_pages)]
         key_pos = c[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)  # i32[gw, chunk]
         visible = (key_pos[:, None, :] <= q_pos[:, :, None]) & (item < total)[:, None, None]
-        o, m, l_item = _chunk_softmax(qb, k_rows, v_rows, pages, visible)
+        o, m, l_item = _chunk_softmax(qb, rows_kv, pages, visible)
         # Merge into the blocks blk[0] .. blk[0] + gw - 1 (block-major items span at most
         # gw blocks): first the group's items per block, then with what the block had.
         local = blk - blk[0]

@@ -144,8 +144,11 @@ def test_checkpoint_dir_is_used_and_logged_once(monkeypatch, tmp_path, caplog,
 def test_server_and_llm_take_the_checkpoint_dir(monkeypatch, tmp_path, tiny_default_store):
     monkeypatch.setenv(dm.STORE_ENV, str(tmp_path / "env-store"))  # must not be used
     args = build_parser().parse_args(["--checkpoint-dir", str(tiny_default_store),
-                                      "--mesh", "sp=1,tp=1", "--max-model-len", "64"])
-    assert build_engine(args).model_config.hidden_size == 64  # the tiny model, not SmolLM2
+                                      "--mesh", "sp=1,tp=1", "--max-model-len", "64",
+                                      "--kv-layout", "combined"])
+    engine = build_engine(args)
+    assert engine.model_config.hidden_size == 64  # the tiny model, not SmolLM2
+    assert len(engine.executor.kv_pools) == 1  # --kv-layout reaches the executor
     llm = LLM("default", checkpoint_dir=tiny_default_store, mesh="sp=1,tp=1", max_model_len=64)
     assert llm.config.hidden_size == 64
     assert not (tmp_path / "env-store").exists()

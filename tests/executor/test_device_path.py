@@ -4,12 +4,14 @@ and for TPU without a device, so lowering errors in context show up here."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
 from conflux_workload import run_random_workload
+from pretend_tpu import pretend_tpu
 from tiny_models import TINY_LLAMA, TINY_SMOL
 
 import pallas_kernels._common as kernel_common
@@ -140,3 +142,51 @@ def test_whole_step_lowers_for_tpu() -> None:
     mixed = ex.planner.shape_for(6, 2, 8, 4, transfer_max=3)
     text = _lower(ex, mixed, "tpu")
     assert "ragged_all_to_all" in text and "all_gather" not in text
+
+
+def test_step_with_the_combined_pool_matches_reference() -> None:
+    """One K/V pool, K and V of each head side by side (JAX's TPU kernel's layout), through
+    the whole step: chunked prefills, the KV transfer and decode, on a mesh with SP, TP and
+    padded heads, against the dense reference (attention by the XLA path on its views)."""
+    config, mesh = CASES["padded-heads-sp2-tp2"]
+    ex, params = _executor(config, mesh, "xla", kv_layout="combined", return_logits=True)
+    (pool,) = ex.kv_pools
+    assert pool.shape[4] == 2 * ex.step_config.model.num_kv_heads
+    assert ex.decode_attention == ex.prefill_attention == "rpa"  # the CPU handlers read split
+    stats = run_random_workload(ex, params, np.random.default_rng(12), num_requests=4,
+                                max_prompt=20, max_output=3)
+    assert stats["checked"] >= 4
+
+
+def test_whole_step_lowers_for_tpu_with_jax_kernel(monkeypatch) -> None:
+    """On a TPU the step picks JAX's own ragged paged attention kernel and the combined pool
+    by default, for head dims the kernel takes; the whole step lowers for TPU from this CPU
+    host with the Mosaic kernel in its attention (prefill over head shards, decode, the
+    owner-alone suffixes) and the transfer as ragged all-to-alls of K/V pairs."""
+    pretend_tpu(monkeypatch)  # a v5e, as far as the kernel can tell
+    ex, _ = _executor(TINY_LLAMA.replace(head_dim=128), "sp=2,tp=2", None)
+    assert (ex.attention_impl, ex.kv_layout) == ("tpu", "combined")
+    mixed = ex.planner.shape_for(prefill_max=6, decode_max=2, combined_max=8,
+                                 decode_pages_max=4, transfer_max=3)
+    text = _lower(ex, mixed, "tpu")
+    # the kernel at two shapes (prefill over head shards; decode and the suffixes) ...
+    assert text.count("tpu_custom_call") == 2, text.count("tpu_custom_call")
+    # ... called for the prefill, the decodes and the owner-alone suffixes
+    assert len(re.findall(r"call @ragged_paged_attention\w*\(", text)) == 3
+    assert "all_gather" not in text
+    # one pool: the transfer's and the prefix-cache loads' ragged all-to-alls, once each
+    assert text.count("ragged_all_to_all") == 2, text.count("ragged_all_to_all")
+
+
+def test_tpu_default_gives_way_where_jax_kernel_cannot_run(monkeypatch, caplog) -> None:
+    """SmolLM2's 64-wide heads: on a TPU the default falls back to the XLA path on split
+    pools (and says why); the kernel asked for by name is refused with the reason."""
+    monkeypatch.setattr(kernel_common, "on_tpu", lambda: True)
+    config = TINY_SMOL.replace(head_dim=64)
+    ex, _ = _executor(config, "sp=2,tp=2", None)
+    assert (ex.attention_impl, ex.kv_layout) == ("xla", "split")
+    assert "multiple of 128" in caplog.text
+    with pytest.raises(ValueError, match="attention_impl='tpu' cannot run.*multiple of 128"):
+        _executor(config, "sp=2,tp=2", "tpu")
+    with pytest.raises(ValueError, match="kv_layout='split'"):
+        _executor(TINY_LLAMA.replace(head_dim=128), "sp=2,tp=2", "tpu", kv_layout="split")

@@ -39,7 +39,7 @@ def test_pool_is_what_memory_leaves_after_weights_and_the_largest_step(caplog) -
     real = ex._compiled[mp.largest_shape].memory_analysis()
     assert 0 < real.temp_size_in_bytes <= mp.activation_bytes < real.temp_size_in_bytes + MIB
     want = (int(0.5 * 8 * MIB) - weights - mp.activation_bytes) // page
-    assert ex.kv.num_pages == want and ex.k_pool.shape[2] == want
+    assert ex.kv.num_pages == want and ex.kv_pools[0].shape[2] == want
     assert f"KV cache: {want * 4 * 2} tokens" in caplog.text  # vLLM's start-up line
     assert "max concurrency for 32 tokens per request" in caplog.text
 

@@ -24,15 +24,21 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (simulat
 _COPY = re.compile(r"=\s*\w+\[([\d,]*)\]\S*\s+copy(?:-start)?\(")
 
 
-@pytest.mark.parametrize("mesh", ["sp=4,tp=1", "sp=2,tp=2", "sp=1,tp=1"])
-def test_step_updates_the_pool_in_place(mesh: str) -> None:
+@pytest.mark.parametrize(("mesh", "kv_layout"), [
+    ("sp=4,tp=1", "split"), ("sp=2,tp=2", "split"), ("sp=1,tp=1", "split"),
+    ("sp=2,tp=2", "combined")])  # the combined pool: JAX's TPU kernel's layout
+def test_step_updates_the_pool_in_place(mesh: str, kv_layout: str) -> None:
     params = random_params(TINY_LLAMA, seed=1, scale=0.2)
     ec = ExecutorConfig(mesh=mesh, page_size=4, num_pages=4096, max_model_len=128,
                         buckets=BucketConfig(tokens=(32,), decode=(8,), decode_pages=(32,),
-                                             transfer=(8,), max_prefill_seqs=4))
+                                             transfer=(8,), max_prefill_seqs=4),
+                        kv_layout=kv_layout)
     ex = JaxExecutor(TINY_LLAMA, params, ec)
-    local = ex.k_pool.addressable_shards[0].data  # one device's pool: f[1, L, pages, ...]
-    pool_bytes = local.size * local.dtype.itemsize
+    assert len(ex.kv_pools) == (1 if kv_layout == "combined" else 2)
+    # one device's pools, each f[1, L, pages, ...]; "pool-sized" = one of K or V's size
+    local = [pool.addressable_shards[0].data for pool in ex.kv_pools]
+    kv_size = sum(a.size for a in local) // 2
+    pool_bytes = 2 * kv_size * local[0].dtype.itemsize  # K and V
     shapes = [ex.planner.shape_for(0, 5, 5, 8),  # decode only
               ex.planner.shape_for(20, 5, 25, 8, transfer_max=3)]  # prefill + transfer
     for shape in shapes:
@@ -41,11 +47,11 @@ def test_step_updates_the_pool_in_place(mesh: str) -> None:
         copies = [math.prod(int(x) for x in dims.split(",") if x)
                   for dims in _COPY.findall(compiled.as_text())]
         assert copies, "no copy instruction parsed: the HLO pattern is stale"
-        assert max(copies) < local.size, f"{shape}: a pool-sized copy"
+        assert max(copies) < kv_size, f"{shape}: a pool-sized copy"
         mem = compiled.memory_analysis()
-        assert mem.alias_size_in_bytes == 2 * pool_bytes, f"{shape}: K and V not donated"
-        assert mem.temp_size_in_bytes < pool_bytes / 2, f"{shape}: a pool in temporaries"
-        assert mem.output_size_in_bytes < 2 * pool_bytes * 1.01  # the outputs are the pools
+        assert mem.alias_size_in_bytes == pool_bytes, f"{shape}: K and V not donated"
+        assert mem.temp_size_in_bytes < pool_bytes / 4, f"{shape}: a pool in temporaries"
+        assert mem.output_size_in_bytes < pool_bytes * 1.01  # the outputs are the pools
 
 
 @pytest.mark.parametrize("layer_weights", ["stacked", "per_layer"])
