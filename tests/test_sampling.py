@@ -12,8 +12,11 @@ from conflux_jax.sampling import (
     SamplingParams,
     first_argmax,
     mask_words,
-    sample,
 )
+from conflux_jax.sampling import sample as eager_sample
+
+# Compiled once per shape, as the step runs it: op by op, a call took seconds.
+sample = jax.jit(eager_sample, static_argnames="num_top_logprobs")
 
 
 def _allowed(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
@@ -54,7 +57,7 @@ def test_top_alternatives_only_when_a_row_asks_for_them(wanted):
     back); one row asking gets every row's, as numpy's sort gives them."""
     logits = np.random.default_rng(1).standard_normal((5, 50)).astype(np.float32)
     s = logits.shape[0]
-    jitted = jax.jit(sample, static_argnums=6)
+    jitted = jax.jit(eager_sample, static_argnums=6)
     tokens, lps, top_ids, top_lps = jitted(
         jnp.asarray(logits), jnp.zeros(s), jnp.zeros(s, jnp.int32), jnp.ones(s),
         jnp.zeros(s, jnp.uint32), jnp.zeros(s, jnp.int32), 3, None, None,
@@ -79,8 +82,7 @@ def test_filtered_samples_stay_in_the_brute_force_set(top_k, top_p):
     rows = np.repeat(logits, 256, axis=0)
     seen = set()
     for seed in range(4):
-        tokens = np.asarray(_run(rows, 1.0, top_k, top_p, seed, 0)[0])
-        # Different rows share a seed and step, so they draw the same token: vary steps.
+        # Rows sharing a seed and step would draw the same token: vary steps.
         tokens = np.asarray(sample(
             jnp.asarray(rows), jnp.ones(256), jnp.full(256, top_k, jnp.int32),
             jnp.full(256, top_p, jnp.float32), jnp.full(256, seed, jnp.uint32),
@@ -265,7 +267,8 @@ def test_first_argmax_is_numpys_argmax_with_ties_infinities_and_nans(seed, vocab
     x[1] = -np.inf  # a fully masked row
     x[2, rng.integers(vocab)] = np.inf
     x[3, rng.integers(vocab, size=2)] = np.nan  # argmax takes the first NaN
-    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, -1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))),
+                                  np.argmax(x, -1))
 
 
 def test_drawn_tokens_are_jax_categoricals_draws():
