@@ -158,14 +158,16 @@ def test_step_with_the_combined_pool_matches_reference() -> None:
     assert stats["checked"] >= 4
 
 
-def test_whole_step_lowers_for_tpu_with_jax_kernel(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # a TPU's default, and fp32
+def test_whole_step_lowers_for_tpu_with_jax_kernel(monkeypatch, dtype: str) -> None:
     """On a TPU the step picks JAX's own ragged paged attention kernel and the combined pool
     by default, for head dims the kernel takes; the whole step lowers for TPU from this CPU
     host with the Mosaic kernel in its attention (prefill over head shards, decode, the
     owner-alone suffixes) and the transfer as ragged all-to-alls of K/V pairs."""
     pretend_tpu(monkeypatch)  # a v5e, as far as the kernel can tell
-    ex, _ = _executor(TINY_LLAMA.replace(head_dim=128), "sp=2,tp=2", None)
+    ex, _ = _executor(TINY_LLAMA.replace(head_dim=128), "sp=2,tp=2", None, dtype=dtype)
     assert (ex.attention_impl, ex.kv_layout) == ("tpu", "combined")
+    assert ex.kv_pools[0].dtype == dtype
     mixed = ex.planner.shape_for(prefill_max=6, decode_max=2, combined_max=8,
                                  decode_pages_max=4, transfer_max=3)
     text = _lower(ex, mixed, "tpu")
