@@ -158,26 +158,32 @@ def test_step_with_the_combined_pool_matches_reference() -> None:
     assert stats["checked"] >= 4
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # a TPU's default, and fp32
-def test_whole_step_lowers_for_tpu_with_jax_kernel(monkeypatch, dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "layer_weights"), [
+    ("bfloat16", "per_layer"),  # a TPU's defaults: the layers unrolled, a kernel call each
+    ("float32", "stacked")])
+def test_whole_step_lowers_for_tpu_with_jax_kernel(monkeypatch, dtype: str,
+                                                   layer_weights: str) -> None:
     """On a TPU the step picks JAX's own ragged paged attention kernel and the combined pool
     by default, for head dims the kernel takes; the whole step lowers for TPU from this CPU
     host with the Mosaic kernel in its attention (prefill over head shards, decode, the
     owner-alone suffixes) and the transfer as ragged all-to-alls of K/V pairs."""
     pretend_tpu(monkeypatch)  # a v5e, as far as the kernel can tell
-    ex, _ = _executor(TINY_LLAMA.replace(head_dim=128), "sp=2,tp=2", None, dtype=dtype)
+    config = TINY_LLAMA.replace(head_dim=128)
+    ex, _ = _executor(config, "sp=2,tp=2", None, dtype=dtype, layer_weights=layer_weights)
     assert (ex.attention_impl, ex.kv_layout) == ("tpu", "combined")
     assert ex.kv_pools[0].dtype == dtype
     mixed = ex.planner.shape_for(prefill_max=6, decode_max=2, combined_max=8,
                                  decode_pages_max=4, transfer_max=3)
     text = _lower(ex, mixed, "tpu")
-    # the kernel at two shapes (prefill over head shards; decode and the suffixes) ...
+    layers = config.num_layers if layer_weights == "per_layer" else 1  # in the program
+    # the kernel at two shapes (prefill over head shards; decode and the suffixes), its
+    # bodies shared by every layer ...
     assert text.count("tpu_custom_call") == 2, text.count("tpu_custom_call")
-    # ... called for the prefill, the decodes and the owner-alone suffixes
-    assert len(re.findall(r"call @ragged_paged_attention\w*\(", text)) == 3
+    # ... called for each layer's prefill, decodes and owner-alone suffixes
+    assert len(re.findall(r"call @ragged_paged_attention\w*\(", text)) == 3 * layers
     assert "all_gather" not in text
     # one pool: the transfer's and the prefix-cache loads' ragged all-to-alls, once each
-    assert text.count("ragged_all_to_all") == 2, text.count("ragged_all_to_all")
+    assert text.count("ragged_all_to_all") == 2 * layers, text.count("ragged_all_to_all")
 
 
 def test_tpu_default_gives_way_where_jax_kernel_cannot_run(monkeypatch, caplog) -> None:
