@@ -103,8 +103,15 @@ class LiveServer:
             time.sleep(0.02)
 
     def leaked_pages(self) -> int:
-        bm = self.engine.scheduler.blocks
-        return sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
+        """KV pages still held, counted on the engine thread between two steps: the
+        scheduler is not thread-safe, and an abort that ends the last request frees its
+        pages there only once the step then in flight has been committed, after the
+        request has left ``has_unfinished`` (a count from this thread raced that)."""
+        def held(engine: Any) -> int:  # noqa: ANN401
+            bm = engine.scheduler.blocks
+            return sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
+
+        return self.loop.call(held).result(timeout=30)
 
     def stop(self) -> None:
         self.server.should_exit = True
