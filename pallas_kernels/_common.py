@@ -50,12 +50,11 @@ def resolve_impl(impl: str | None, combined_kv: bool = False) -> str:
     ``"tpu"`` for an op over the combined K/V pool (``combined_kv``)."""
     source = "impl"
     if impl is None:
-        env = os.environ.get(IMPL_ENV_VAR, "").strip().lower()
-        if not env:
+        impl, source = asked_impl(None), f"${IMPL_ENV_VAR}"
+        if impl is None:
             if combined_kv and on_tpu():
                 return TPU_IMPL
             return "pallas" if on_gpu() else "xla"
-        impl, source = env, f"${IMPL_ENV_VAR}"
     if impl == TPU_IMPL:
         if not combined_kv:
             raise ValueError(

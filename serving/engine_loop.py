@@ -362,7 +362,7 @@ class EngineLoop:
         eng = self.engine
         try:
             bm = eng.scheduler.blocks
-            used = sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
+            used = sum(bm.used_pages(r) for r in range(bm.num_ranks))
             waiting = eng.scheduler.num_pending
             self.stats = Stats(running=max(0, eng.num_unfinished - waiting), waiting=waiting,
                                kv_usage=used / (bm.num_pages * bm.num_ranks),

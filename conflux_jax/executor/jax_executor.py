@@ -193,8 +193,9 @@ def resolve_kv_layout(choice: str, attention_impl: str | None, config: ModelConf
     if choice not in KV_LAYOUT_CHOICES:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUT_CHOICES}, got {choice!r}")
     impl = resolve_impl(attention_impl, combined_kv=True)
+    asked_layout = "combined" if choice == "combined" else "split"
     if impl != TPU_IMPL:
-        return ("combined" if choice == "combined" else "split"), impl
+        return asked_layout, impl
     asked = asked_impl(attention_impl) == TPU_IMPL
     # The kernel's calls: prefill over head shards (Ulysses), decode over the rank's heads.
     hq, hkv, d = config.num_heads // tp, config.num_kv_heads // tp, config.head_dim
@@ -207,7 +208,7 @@ def resolve_kv_layout(choice: str, attention_impl: str | None, config: ModelConf
     if asked:
         raise ValueError(f"attention_impl='tpu' cannot run: {why}")
     log.warning("attention: the kernel's XLA form (JAX's TPU kernel cannot run: %s)", why)
-    return ("combined" if choice == "combined" else "split"), "xla"
+    return asked_layout, "xla"
 
 
 def resolve_attention(option: str, choice: str, platform: str, dtype: Any,

@@ -74,6 +74,15 @@ def _block_sizes(dims: Dims, impl: str, overrides: dict[str, Any],
     return bs
 
 
+def run_xla(dims: Dims, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None,
+            *meta: jax.Array, sm_scale: float | None, query_len: str | None) -> jax.Array:
+    """The XLA path on validated arguments (``meta``: kv_lens, page_indices, cu_q_lens,
+    num_seqs) at its default tiling; ``v_pages`` None: ``k_pages`` is a combined pool."""
+    tiling = xla.default_xla_tiling(dims.num_tokens, dims.max_seqs, query_len)
+    return xla.rpa_xla(q, k_pages, v_pages, *meta, sm_scale=softmax_scale(dims, sm_scale),
+                       **tiling._asdict())
+
+
 def ragged_paged_attention(
     q: jax.Array,  # f[T, Hq, d]
     k_pages: jax.Array,  # f[P, page_size, Hkv, d]
@@ -116,11 +125,9 @@ def ragged_paged_attention(
     dims = validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
     impl = resolve_impl(impl)
     bs = _block_sizes(dims, impl, block_sizes, query_len)
-    scale = softmax_scale(dims, sm_scale)
     if impl == "xla":
-        tiling = xla.default_xla_tiling(dims.num_tokens, dims.max_seqs, query_len)
-        return xla.rpa_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                           sm_scale=scale, **tiling._asdict())
+        return run_xla(dims, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                       sm_scale=sm_scale, query_len=query_len)
     return pallas.rpa_pallas(
         q,
         k_pages,
@@ -129,7 +136,7 @@ def ragged_paged_attention(
         page_indices,
         cu_q_lens,
         num_seqs,
-        sm_scale=scale,
+        sm_scale=softmax_scale(dims, sm_scale),
         bs=bs,
         interpret=impl == "interpret",
     )

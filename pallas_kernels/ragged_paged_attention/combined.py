@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import TPU_IMPL, check_float_array, resolve_impl
-from pallas_kernels.ragged_paged_attention import xla
-from pallas_kernels.ragged_paged_attention.api import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.api import ragged_paged_attention, run_xla
 from pallas_kernels.ragged_paged_attention.validation import softmax_scale, validate
 
 __all__ = ["combine_kv", "ragged_paged_attention_combined", "split_kv", "tpu_kernel_obstacle"]
@@ -83,9 +82,8 @@ def ragged_paged_attention_combined(
     half = jax.ShapeDtypeStruct((p, ps, h2 // 2, d), kv_pages.dtype)  # shapes only
     dims = validate(q, half, half, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale)
     if impl == "xla":  # gathers each chunk's pages of the pool, then takes K and V apart
-        tiling = xla.default_xla_tiling(dims.num_tokens, dims.max_seqs, query_len)
-        return xla.rpa_xla(q, kv_pages, None, kv_lens, page_indices, cu_q_lens, num_seqs,
-                           sm_scale=softmax_scale(dims, sm_scale), **tiling._asdict())
+        return run_xla(dims, q, kv_pages, None, kv_lens, page_indices, cu_q_lens, num_seqs,
+                       sm_scale=sm_scale, query_len=query_len)
     if impl != TPU_IMPL:  # the Pallas kernel on strided views (tests)
         k, v = split_kv(kv_pages)
         return ragged_paged_attention(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs,

@@ -109,7 +109,7 @@ class LiveServer:
         request has left ``has_unfinished`` (a count from this thread raced that)."""
         def held(engine: Any) -> int:  # noqa: ANN401
             bm = engine.scheduler.blocks
-            return sum(bm.num_pages - bm.free_pages(r) for r in range(bm.num_ranks))
+            return sum(bm.used_pages(r) for r in range(bm.num_ranks))
 
         return self.loop.call(held).result(timeout=30)
 
