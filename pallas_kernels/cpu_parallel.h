@@ -1,5 +1,5 @@
-// Work split over XLA's intra-op thread pool, shared by the CPU FFI handlers
-// (pallas_kernels/cpu_attention, pallas_kernels/cpu_gemm).
+// Work split over threads, shared by the CPU FFI handlers (pallas_kernels/cpu_attention,
+// pallas_kernels/cpu_gemm): the split, and the call that runs the parts (cpu_parallel.cc).
 #pragma once
 
 #include <algorithm>
@@ -28,11 +28,32 @@ inline int64_t PartOf(int64_t start, int64_t parts, int64_t total) {
   return std::min(parts - 1, start * parts / total);
 }
 
-// Runs ``run(part)`` for every part in [0, parts): the calling thread and tasks on XLA's own
-// intra-op pool (starting a thread per call cost more than a small call) take parts until
-// none is left; returns when all are done.
+}  // namespace conflux
+
+// Runs fn(ctx, part) for every part in [0, parts) on the calling thread and the process's
+// spinning workers (``threads`` of them, made on the first call); returns when all are
+// done. Returns false, having run nothing, while another call holds the workers or in a
+// forked child. Defined in cpu_parallel.cc, one library loaded RTLD_GLOBAL before any handler
+// (pallas_kernels/cpu_gemm/stacked_gemm.py, load_parallel), so every handler shares one set.
+extern "C" bool ConfluxRunPartsV1(int threads, int64_t parts, void (*fn)(void*, int64_t),
+                                  void* ctx);
+
+namespace conflux {
+
+// Runs ``run(part)`` for every part in [0, parts): the calling thread and the spinning
+// workers take parts until none is left; returns when all are done. While another call
+// holds the workers, the parts go to XLA's own pool instead.
 template <typename Run>
 void RunParts(ffi::ThreadPool& pool, int64_t parts, Run& run) {
+  if (parts <= 1) {
+    if (parts == 1) run(0);
+    return;
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(pool.num_threads(), kMaxThreads)) - 1;
+  if (threads > 0) {
+    auto call = [](void* ctx, int64_t part) { (*static_cast<Run*>(ctx))(part); };
+    if (ConfluxRunPartsV1(threads, parts, call, &run)) return;
+  }
   // A task may start only after the call has returned (every part taken): it then finds
   // none left and touches nothing but this shared state.
   struct Parts {

@@ -39,8 +39,11 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 TARGET = "conflux_stacked_gemm"
 _SOURCE = Path(__file__).with_name("stacked_gemm.cc")
 _FLAGS = ("-O2",)
-# Work split over XLA's thread pool, shared by the CPU handlers (cpu_gemm, cpu_attention).
+# Work split over threads, shared by the CPU handlers (cpu_gemm, cpu_attention): the header
+# they include, and the one library of spinning workers they all call into.
 PARALLEL_HEADER = Path(__file__).parent.parent / "cpu_parallel.h"
+_PARALLEL_SOURCE = PARALLEL_HEADER.with_suffix(".cc")
+_PARALLEL_FLAGS = ("-O2", "-pthread")
 
 
 def kernel_cache_dir() -> Path:
@@ -86,15 +89,34 @@ def load_handler(source: Path, symbol: str, target: str, include: list[str],
     """Build ``source`` into the kernel cache (once per ``handler_key``), load it and
     register its ``symbol`` with XLA as the CPU FFI target ``target``. ``headers``: our
     own headers it includes (their folders join ``include``, their text the key)."""
+    if PARALLEL_HEADER in headers:
+        load_parallel()
     include = [*include, *sorted({str(h.parent) for h in headers})]
     versions = (*versions, *(hashlib.sha256(h.read_bytes()).hexdigest()[:16] for h in headers))
-    path = kernel_cache_dir() / f"{source.stem}-{handler_key(source, flags, *versions)}.so"
-    if not path.exists():
-        build_handler(source, path, include, lib_dir, lib, flags)
-    handle = ctypes.cdll.LoadLibrary(str(path))
+    handle = ctypes.CDLL(str(_built(source, include, flags, lib_dir, lib, versions)))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
                                 platform="cpu")
     return handle
+
+
+def _built(source: Path, include: list[str], flags: tuple[str, ...], lib_dir: str | None,
+           lib: str | None, versions: tuple[str, ...]) -> Path:
+    """``source`` built into the kernel cache, once per ``handler_key``."""
+    path = kernel_cache_dir() / f"{source.stem}-{handler_key(source, flags, *versions)}.so"
+    if not path.exists():
+        build_handler(source, path, include, lib_dir, lib, flags)
+    return path
+
+
+@functools.cache
+def load_parallel() -> ctypes.CDLL:
+    """The spinning workers every CPU handler splits its work over (``cpu_parallel.cc``),
+    built and loaded once per process with its symbols global, before any handler that
+    calls them is loaded: one set of workers for all handlers."""
+    header = hashlib.sha256(PARALLEL_HEADER.read_bytes()).hexdigest()[:16]
+    path = _built(_PARALLEL_SOURCE, [jax.ffi.include_dir(), str(PARALLEL_HEADER.parent)],
+                  _PARALLEL_FLAGS, None, None, (header,))
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 def library_key() -> str:
