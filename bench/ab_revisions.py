@@ -1,4 +1,4 @@
-"""Two revisions of the engine on the same decode steps, run in alternating processes.
+"""Two revisions of the engine on the same steps, run in alternating processes.
 
     python bench/ab_revisions.py OLD_REV [NEW_REV] [--rounds 3] [--repeats 12]
 
@@ -6,8 +6,9 @@ Each revision is checked out into a temporary git worktree (NEW_REV defaults to 
 working tree itself). Every round runs one process per revision, old first: the process
 serves ``bench compare``'s decode-heavy workload (32-token prompts) on the default model
 in-process, keeps one real decode step of 16 requests and one of a single request (contexts
-of ~100 tokens), and times each, compiled, ``--repeats`` times. Printed: each round's median
-per revision and the old/new ratio. Rounds alternate so that a host that speeds up or slows
+of ~100 tokens) and, from the prefill-heavy workload (128-token prompts), one step of a
+256-token prefill chunk beside 16 requests' decodes; it times each, compiled, ``--repeats``
+times. Printed: each round's median per revision and the old/new ratio. Rounds alternate so that a host that speeds up or slows
 down during the run moves both sides alike; compare the ratios, not the times.
 """
 
@@ -39,10 +40,14 @@ from conflux_jax.executor.batch import StepBatch
 engine = engine_from_model("default", 512, "conflux", 60.0, 10.0)
 ex = engine.executor
 out = {}
-for name, c in (("decode x16", 16), ("decode x1", 1)):
-    want = lambda plan, c=c: (not plan.prefill and len(plan.decode) == c
-                              and min(d.position + 1 for d in plan.decode) <= 100)
-    shape, host = sb.capture(engine, 32, 128, c, want)
+decode = lambda c: lambda plan: (not plan.prefill and len(plan.decode) == c
+                                 and min(d.position + 1 for d in plan.decode) <= 100)
+prefill = lambda plan: (bool(plan.prefill) and bool(plan.decode)
+                        and sum(p.length for p in plan.prefill) >= 200)
+for name, c, (prompt, out_len), want in (
+        ("decode x16", 16, (32, 128), decode(16)), ("decode x1", 1, (32, 128), decode(1)),
+        ("prefill 256 + decodes", 16, (128, 32), prefill)):
+    shape, host = sb.capture(engine, prompt, out_len, c, want)
     ex.compile_shape(shape)
     batch = jax.device_put(host, jax.tree.map(lambda s: NamedSharding(ex.mesh, s),
                                               StepBatch.specs()))
