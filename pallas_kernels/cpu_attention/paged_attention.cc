@@ -189,7 +189,7 @@ static ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   }
   // The KV of a step's sequences is scattered over the pool: one core alone cannot pull it
   // at the memory's bandwidth. Split the sequences into runs of about equal KV, taken by
-  // the threads of XLA's pool (RunParts). Small calls stay on the calling thread.
+  // the CPU handlers' workers (RunParts). Small calls stay on the calling thread.
   const int64_t parts = PartsFor(pool, total, kMinKeysPerThread);
   const float* k_data = k_pages.typed_data();
   const int32_t* table = page_indices.typed_data();

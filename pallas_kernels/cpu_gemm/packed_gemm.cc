@@ -12,8 +12,8 @@
 // block prefetch the next block into L2 (kPrefetchFloats ahead), one of a panel row's two
 // cache lines each: with only the first pass prefetching, memory sat idle while the other
 // row tiles computed, and prefetching into L1 evicted the block in use from a 32 KiB L1
-// (16 rows: 1.3x faster on a Zen 4 host; bench/RESULTS.md). Panels are split over XLA's
-// thread pool.
+// (16 rows: 1.3x faster on a Zen 4 host; bench/RESULTS.md). Panels are split over the
+// CPU handlers' spinning workers (cpu_parallel.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
