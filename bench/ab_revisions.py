@@ -8,8 +8,9 @@ serves ``bench compare``'s decode-heavy workload (32-token prompts) on the defau
 in-process, keeps one real decode step of 16 requests and one of a single request (contexts
 of ~100 tokens) and, from the prefill-heavy workload (128-token prompts), one step of a
 256-token prefill chunk beside 16 requests' decodes; it times each, compiled, ``--repeats``
-times. Printed: each round's median per revision and the old/new ratio. Rounds alternate so that a host that speeds up or slows
-down during the run moves both sides alike; compare the ratios, not the times.
+times. Printed: each round's median per revision and the old/new ratio. Rounds alternate
+so that a host that speeds up or slows down during the run moves both sides alike;
+compare the ratios, not the times.
 """
 
 from __future__ import annotations

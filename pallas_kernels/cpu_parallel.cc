@@ -43,7 +43,7 @@ class SpinPool {
     ctx_.store(ctx, std::memory_order_relaxed);
     parts_.store(parts, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    const uint64_t gen = ((ticket_.load(std::memory_order_relaxed) >> 32) + 1) & 0xffffffffu;
     ticket_.store(gen << 32, std::memory_order_seq_cst);  // publishes the call
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(mu_);
