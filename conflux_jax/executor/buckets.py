@@ -35,7 +35,9 @@ class BucketConfig:
     # serves decode-only steps of one sequence per rank: one row runs XLA's matrix-vector
     # path, ~1.4x faster than four rows on CPU. Prefill steps skip it (see shape_for).
     # 128 between 64 and 256: without it a lone 128-token prompt ran a 256-row step.
-    tokens: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
+    # 512 on top: the CPU GEMM runs more FLOP/s at 512 rows than at 256 (and less at 1024,
+    # where x leaves L2): 16 streams of 128-token prompts 1.13x faster (bench/RESULTS.md).
+    tokens: tuple[int, ...] = (1, 4, 16, 64, 128, 256, 512)
     decode: tuple[int, ...] = (1, 4, 16, 64)
     # The attention ops' cost follows live KV lengths, not the table width, so one
     # width (the max context) is the default; more widths trade compiles for gathers.
