@@ -12,14 +12,17 @@
 // block prefetch the next block into L2 (kPrefetchFloats ahead), one of a panel row's two
 // cache lines each: with only the first pass prefetching, memory sat idle while the other
 // row tiles computed, and prefetching into L1 evicted the block in use from a 32 KiB L1
-// (16 rows: 1.3x faster on a Zen 4 host; bench/RESULTS.md). Panels are split over the
-// CPU handlers' spinning workers (cpu_parallel.h).
+// (16 rows: 1.3x faster on a Zen 4 host; bench/RESULTS.md). Prefill's hundreds of rows
+// are taken in row blocks that fit L2 (RowBlock). Panels are split over the CPU handlers'
+// spinning workers (cpu_parallel.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -107,30 +110,35 @@ struct Problem {
     return r == 0 ? 1 : r == kMaxRows ? 2 : 0;                                             \
   }                                                                                        \
                                                                                            \
-  /* Panels [p0, p1) of the product. */                                                    \
-  void Panels(const Problem& pr, int64_t p0, int64_t p1) {                                 \
+  /* Panels [p0, p1) of the product, rows in blocks of mb (x's block stays in L2 while
+     every panel passes over it; the panels are re-read per block, from L3). */           \
+  void Panels(const Problem& pr, int64_t p0, int64_t p1, int64_t mb) {                     \
     std::vector<float> tail;  /* the last panel's rows when n is not a multiple of 32 */  \
-    for (int64_t p = p0; p < p1; ++p) {                                                    \
-      const bool partial = (p + 1) * kPanel > pr.n;                                        \
-      if (partial) tail.assign(pr.m * kPanel, 0.0f);                                       \
-      float* out = partial ? tail.data() : pr.out + p * kPanel;                            \
-      const int64_t ldo = partial ? kPanel : pr.n;                                         \
-      const float* panel = pr.w + p * pr.k * kPanel;                                       \
-      for (int64_t k0 = 0; k0 < pr.k; k0 += kKBlock) {                                     \
-        const int64_t kn = std::min(kKBlock, pr.k - k0);                                   \
-        for (int64_t c = 0; c < kPanel; c += kTileCols) {                                  \
-          for (int64_t r = 0; r < pr.m; r += kMaxRows) {                                   \
-            Rows<kMaxRows>(std::min<int64_t>(kMaxRows, pr.m - r), pr.x + r * pr.k + k0,     \
-                           pr.k, panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo,       \
-                           k0 == 0, c != 0 ? 0 : StreamLines(pr.m, r));                   \
+    for (int64_t r0 = 0; r0 < pr.m; r0 += mb) {                                            \
+      const int64_t rn = std::min(mb, pr.m - r0);                                          \
+      for (int64_t p = p0; p < p1; ++p) {                                                  \
+        const bool partial = (p + 1) * kPanel > pr.n;                                      \
+        if (partial) tail.assign(rn * kPanel, 0.0f);                                       \
+        float* out = partial ? tail.data() : pr.out + r0 * pr.n + p * kPanel;              \
+        const int64_t ldo = partial ? kPanel : pr.n;                                       \
+        const float* panel = pr.w + p * pr.k * kPanel;                                     \
+        const float* x = pr.x + r0 * pr.k;                                                 \
+        for (int64_t k0 = 0; k0 < pr.k; k0 += kKBlock) {                                   \
+          const int64_t kn = std::min(kKBlock, pr.k - k0);                                 \
+          for (int64_t c = 0; c < kPanel; c += kTileCols) {                                \
+            for (int64_t r = 0; r < rn; r += kMaxRows) {                                   \
+              Rows<kMaxRows>(std::min<int64_t>(kMaxRows, rn - r), x + r * pr.k + k0, pr.k,  \
+                             panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo, k0 == 0,  \
+                             c != 0 ? 0 : StreamLines(rn, r));                             \
+            }                                                                              \
           }                                                                                \
         }                                                                                  \
-      }                                                                                    \
-      if (partial) {                                                                       \
-        const int64_t cols = pr.n - p * kPanel;                                            \
-        for (int64_t r = 0; r < pr.m; ++r)                                                 \
-          std::memcpy(pr.out + r * pr.n + p * kPanel, tail.data() + r * kPanel,            \
-                      cols * sizeof(float));                                               \
+        if (partial) {                                                                     \
+          const int64_t cols = pr.n - p * kPanel;                                          \
+          for (int64_t r = 0; r < rn; ++r)                                                 \
+            std::memcpy(pr.out + (r0 + r) * pr.n + p * kPanel, tail.data() + r * kPanel,  \
+                        cols * sizeof(float));                                             \
+        }                                                                                  \
       }                                                                                    \
     }                                                                                      \
   }                                                                                        \
@@ -149,7 +157,7 @@ CONFLUX_GEMM_ISA(generic, "default", 4, 4, 4)
 
 namespace {
 
-using PanelsFn = void (*)(const Problem&, int64_t, int64_t);
+using PanelsFn = void (*)(const Problem&, int64_t, int64_t, int64_t);
 
 constexpr int64_t kFewRows = 16;  // AVX2: up to this many rows, the whole-panel tile
 
@@ -170,6 +178,30 @@ PanelsFn HostPanels(int64_t m) {
   }
 #endif
   return generic::Panels;
+}
+
+// Rows of x per block of Panels: all of them while x fits in L2; past that, equal blocks
+// of at most a quarter of L2 each (a multiple of 8 rows, the AVX-512 tile), so that each
+// block is read from L2, not L3, by every panel. Without blocks the kernel lost 1.1x at
+// 1024 rows and 1.3x at 2048 (bench/RESULTS.md); blocks cost up to 2% below that, where
+// they stay off. $CONFLUX_GEMM_XBLOCK_KB sets the block's KiB (0: one block), as tests do.
+int64_t RowBlock(int64_t k, int64_t m) {
+  const char* env = std::getenv("CONFLUX_GEMM_XBLOCK_KB");
+  const int64_t bytes = m * k * static_cast<int64_t>(sizeof(float));
+  int64_t budget;
+  if (env && *env) {
+    budget = std::atoll(env) * 1024;
+  } else {
+    static const int64_t l2 = [] {
+      const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+      return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
+    }();
+    budget = bytes <= l2 ? 0 : l2 / 4;
+  }
+  if (budget <= 0) return std::max<int64_t>(m, 1);
+  const int64_t blocks = (bytes + budget - 1) / budget;
+  const int64_t rows = (m + blocks - 1) / blocks;
+  return std::max<int64_t>(8, (rows + 7) / 8 * 8);
 }
 
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -201,8 +233,9 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   const int64_t total = pr.panels * pr.k * kPanel * (pr.m + 4);
   const int64_t parts = std::min(conflux::PartsFor(pool, total, kMinWorkPerPart), pr.panels);
+  const int64_t mb = RowBlock(pr.k, pr.m);
   auto run = [&](int64_t part) {
-    panels_fn(pr, pr.panels * part / parts, pr.panels * (part + 1) / parts);
+    panels_fn(pr, pr.panels * part / parts, pr.panels * (part + 1) / parts, mb);
   };
   conflux::RunParts(pool, parts, run);
   return ffi::Error::Success();

@@ -77,6 +77,24 @@ def test_live_rows_only(live, isa, monkeypatch):
     np.testing.assert_array_equal(flat[live:], 0.0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("block_kib", ["1", "25", "0"])
+def test_row_blocks(block_kib, isa, monkeypatch):
+    """Rows taken in blocks (``$CONFLUX_GEMM_XBLOCK_KB``; 1 KiB: 8-row blocks, 25: three
+    blocks of 24 and a short one, 0: one block) give the same product, partial panel and
+    several K blocks included, and so does the host's own choice at a size past any L2."""
+    monkeypatch.setenv("CONFLUX_GEMM_XBLOCK_KB", block_kib)
+    w, x = _rand(2, 300, 70), _rand(75, 300)  # 75 x 300 floats: 88 KiB of x
+    _check(x, w, 1, isa, monkeypatch)
+    _check(x[:5], w, 0, isa, monkeypatch)  # fewer rows than one block
+
+
+def test_row_blocks_chosen_by_the_host(monkeypatch):
+    monkeypatch.delenv("CONFLUX_GEMM_XBLOCK_KB", raising=False)
+    w, x = _rand(1, 1536, 40), _rand(1200, 1536)  # 7 MiB of x: past L2, blocked
+    _check(x, w, 0, "", monkeypatch)
+
+
 def test_one_matrix_and_the_jnp_form():
     """A 3-D packed matrix (the LM head) is layer 0; packed_matmul_xla is the same product."""
     x, w = _rand(5, 40), _rand(40, 100)
