@@ -6,9 +6,10 @@ weights stream in from memory, where XLA:CPU's dot reached ~15-22 GB/s of a host
 held packed: ``w f32[..., K, N]`` becomes ``f32[..., P, K, 32]``, P = ceil(N / 32) panels of
 32 output columns, each one contiguous stream (columns past N are zero). The C++ handler
 (``packed_gemm.cc``) reads a panel front to back with prefetches far ahead and keeps each
-block of it in L1 for all the rows; panels are split over the CPU handlers' spinning
-workers (``pallas_kernels/cpu_parallel.cc``). It serves every row count: at 256 rows it
-runs at 55-85% of the cores' FMA peak (by host and hour), as fast as XLA's dot.
+block of it in L1 for all the rows (taken in L2-sized row blocks once x outgrows L2);
+panels are split over the CPU handlers' spinning workers (``pallas_kernels/cpu_parallel.cc``).
+It serves every row count: at 256 rows it runs at 55-85% of the cores' FMA peak (by host
+and hour), as fast as XLA's dot.
 
 The handler is built on first use with the system C++ compiler into the kernel cache
 (``kernel_cache_dir``), with a kernel for AVX-512, AVX2 and plain vectors, picked per host
