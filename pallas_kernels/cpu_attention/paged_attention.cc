@@ -63,11 +63,42 @@ static inline float ExpNonPositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// 16 floats as one vector (GCC's vector extension: one zmm under AVX-512, split into
+// narrower registers by the other clones).
+typedef float V16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+// The lane sums of a[0..15] as one vector (lane t = the sum of a[t]'s lanes): four levels of
+// pairwise two-source shuffles and adds, 45 operations where 16 separate horizontal sums
+// take ~8 each.
+static inline __attribute__((always_inline)) V16 SumLanes16(V16* a) {
+  const I16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const I16 hi1 = lo1 + 8;
+  const I16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const I16 hi2 = lo2 + 4;
+  const I16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const I16 hi3 = lo3 + 2;
+  const I16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const I16 hi4 = lo4 + 1;
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: a[2i]'s 8 partial sums, 8-15: a[2i+1]'s
+    a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], hi1);
+  for (int i = 0; i < 4; ++i)  // 4 partials each of 4 vectors
+    a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  for (int i = 0; i < 2; ++i)  // 2 partials each of 8
+    a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo3) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], hi3);
+  return __builtin_shuffle(a[0], a[1], lo4) + __builtin_shuffle(a[0], a[1], hi4);
+}
+
 // One sequence, page by page (no index arithmetic per token): scores of every query head
 // for each key (a key's Hkv*d row is contiguous; the query heads of one KV head read it
 // together), softmax per head, then the weighted sum of the V rows in the same order.
 // ``kD`` > 0 fixes the head size at compile time: the many short loops over d (two per
-// query head and key) are then unrolled, which at d = 64 more than halves the call.
+// query head and key) are then unrolled, which at d = 64 more than halves the call. A
+// multiple of 16 (64, 128) also scores keys 16 at a time and sums V head by head with the
+// output in registers: the call 1.4x faster again at SmolLM2's shapes (bench/RESULTS.md).
 template <int64_t kD>
 CONFLUX_CLONES
 static void AttendOneD(const float* q, const float* k, const float* v, const int32_t* pages,
@@ -90,21 +121,58 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     const float* knext = t0 + page_size < len
         ? k + std::clamp<int64_t>(pages[t0 / page_size + 1], 0, num_pages - 1) * page_floats
         : nullptr;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* krow = kpage + j * row;
+    auto prefetch_row = [&](int64_t j) {
       // A row's worth of lines each, spread over the rows: a burst of a whole page of
       // requests would wait on the core's few outstanding-miss slots.
       for (int64_t f = j * row; f < (j + 1) * row; f += 16) {
         __builtin_prefetch(vpage + f, 0, 2);
         if (knext != nullptr) __builtin_prefetch(knext + f, 0, 3);
       }
-      for (int64_t h = 0; h < hq; ++h) {
-        const float* qh = q + h * d;
-        const float* kh = krow + (h / group) * d;
-        float acc = 0.0f;
+    };
+    if constexpr (kD > 0 && kD % 16 == 0) {
+      // Up to 16 keys at a time per query head: each key's dot product as one vector of
+      // partial sums, then the 16 sums at once (SumLanes16) instead of one horizontal sum
+      // per key and head.
+      constexpr int64_t kC = kD / 16;
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - j0);
+        for (int64_t j = j0; j < j0 + m; ++j) prefetch_row(j);
+        for (int64_t h = 0; h < hq; ++h) {
+          V16 qv[kC];
+          std::memcpy(qv, q + h * kD, sizeof(qv));
+          const float* kh = kpage + j0 * row + (h / group) * kD;
+          V16 acc[16];
+          if (m == 16) {
+            _Pragma("GCC unroll 16") for (int64_t j = 0; j < 16; ++j) {
+              const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
+              acc[j] = qv[0] * kv[0];
+              _Pragma("GCC unroll 8") for (int64_t c = 1; c < kC; ++c) acc[j] += qv[c] * kv[c];
+            }
+          } else {
+            for (int64_t j = 0; j < 16; ++j) {
+              acc[j] = V16{};
+              if (j < m) {
+                const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
+                for (int64_t c = 0; c < kC; ++c) acc[j] += qv[c] * kv[c];
+              }
+            }
+          }
+          const V16 sums = SumLanes16(acc) * scale;
+          std::memcpy(scores + h * len + t0 + j0, &sums, sizeof(float) * m);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const float* krow = kpage + j * row;
+        prefetch_row(j);
+        for (int64_t h = 0; h < hq; ++h) {
+          const float* qh = q + h * d;
+          const float* kh = krow + (h / group) * d;
+          float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < d; ++i) acc += qh[i] * kh[i];
-        scores[h * len + t0 + j] = acc * scale;
+          for (int64_t i = 0; i < d; ++i) acc += qh[i] * kh[i];
+          scores[h * len + t0 + j] = acc * scale;
+        }
       }
     }
   }
@@ -122,6 +190,31 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     const float inv = 1.0f / sum;
 #pragma omp simd
     for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    // One query head at a time over all the keys, its output in registers: no load and
+    // store of the output per key.
+    constexpr int64_t kC = kD / 16;
+    for (int64_t h = 0; h < hq; ++h) {
+      V16 o[kC] = {};
+      const float* p = scores + h * len;
+      for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const int64_t page = std::clamp<int64_t>(pages[t0 / page_size], 0, num_pages - 1);
+        const float* vh = v + page * page_floats + (h / group) * kD;
+        const int64_t n = std::min(page_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          if (h == 0 && t0 == 0 && next_k != nullptr) {  // the next sequence's first K page
+            for (int64_t f = j * row; f < (j + 1) * row; f += 16)
+              __builtin_prefetch(next_k + f, 0, 2);
+          }
+          const V16* vr = reinterpret_cast<const V16*>(vh + j * row);
+          const float w = p[t0 + j];
+          for (int64_t c = 0; c < kC; ++c) o[c] += w * vr[c];
+        }
+      }
+      std::memcpy(out + h * kD, o, sizeof(o));
+    }
+    return;
   }
   std::memset(out, 0, sizeof(float) * hq * d);
   for (int64_t t0 = 0; t0 < len; t0 += page_size) {

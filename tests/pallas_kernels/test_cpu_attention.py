@@ -37,12 +37,13 @@ def _case(rng, seqs, lens, hq, hkv, d, page_size=4, num_pages=128, width=12):
     return q, k, v, kv_lens, table
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 8)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 8), (6, 2, 128)])
 @pytest.mark.parametrize("lens", [[1], [5, 17, 48, 2], [48] * 6 + [3, 30]])
-def test_matches_the_oracle(hq, hkv, d, lens):
+@pytest.mark.parametrize("page_size", [4, 16, 32])  # d = 64, 128: keys in tiles of <= 16
+def test_matches_the_oracle(hq, hkv, d, lens, page_size):
     rng = np.random.default_rng(len(lens) * 100 + hq)
     seqs = len(lens) + 2  # two padding slots past num_seqs
-    q, k, v, kv_lens, table = _case(rng, seqs, lens, hq, hkv, d)
+    q, k, v, kv_lens, table = _case(rng, seqs, lens, hq, hkv, d, page_size)
     kv_lens[-1] = 7  # a padding slot's length must not make it attend
     num = np.int32(len(lens))
     cu = np.arange(seqs + 1, dtype=np.int32)
