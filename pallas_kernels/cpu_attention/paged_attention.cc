@@ -92,13 +92,29 @@ static inline __attribute__((always_inline)) V16 SumLanes16(V16* a) {
   return __builtin_shuffle(a[0], a[1], lo4) + __builtin_shuffle(a[0], a[1], hi4);
 }
 
+// Whether the host has AVX-512, where SumLanes16's shuffles are one instruction each (the
+// AVX2 and plain clones build them from single lanes, several times slower than the
+// per-key sums).
+static bool WideShuffles() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return wide;
+#else
+  return false;
+#endif
+}
+
 // One sequence, page by page (no index arithmetic per token): scores of every query head
 // for each key (a key's Hkv*d row is contiguous; the query heads of one KV head read it
 // together), softmax per head, then the weighted sum of the V rows in the same order.
 // ``kD`` > 0 fixes the head size at compile time: the many short loops over d (two per
 // query head and key) are then unrolled, which at d = 64 more than halves the call. A
-// multiple of 16 (64, 128) also scores keys 16 at a time and sums V head by head with the
-// output in registers: the call 1.4x faster again at SmolLM2's shapes (bench/RESULTS.md).
+// multiple of 16 (64, 128) also sums V head by head with the output in registers and, with
+// AVX-512, scores keys 16 at a time: the call 1.4x faster again at SmolLM2's shapes
+// (bench/RESULTS.md).
 template <int64_t kD>
 CONFLUX_CLONES
 static void AttendOneD(const float* q, const float* k, const float* v, const int32_t* pages,
@@ -130,49 +146,53 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
       }
     };
     if constexpr (kD > 0 && kD % 16 == 0) {
-      // Up to 16 keys at a time per query head: each key's dot product as one vector of
-      // partial sums, then the 16 sums at once (SumLanes16) instead of one horizontal sum
-      // per key and head.
-      constexpr int64_t kC = kD / 16;
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t m = std::min<int64_t>(16, n - j0);
-        for (int64_t j = j0; j < j0 + m; ++j) prefetch_row(j);
-        for (int64_t h = 0; h < hq; ++h) {
-          V16 qv[kC];
-          std::memcpy(qv, q + h * kD, sizeof(qv));
-          const float* kh = kpage + j0 * row + (h / group) * kD;
-          V16 acc[16];
-          if (m == 16) {
-            _Pragma("GCC unroll 16") for (int64_t j = 0; j < 16; ++j) {
-              const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
-              acc[j] = qv[0] * kv[0];
-              _Pragma("GCC unroll 8") for (int64_t c = 1; c < kC; ++c) acc[j] += qv[c] * kv[c];
-            }
-          } else {
-            for (int64_t j = 0; j < 16; ++j) {
-              acc[j] = V16{};
-              if (j < m) {
+      if (WideShuffles()) {
+        // Up to 16 keys at a time per query head: each key's dot product as one vector of
+        // partial sums, then the 16 sums at once (SumLanes16) instead of one horizontal sum
+        // per key and head.
+        constexpr int64_t kC = kD / 16;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          const int64_t m = std::min<int64_t>(16, n - j0);
+          for (int64_t j = j0; j < j0 + m; ++j) prefetch_row(j);
+          for (int64_t h = 0; h < hq; ++h) {
+            V16 qv[kC];
+            std::memcpy(qv, q + h * kD, sizeof(qv));
+            const float* kh = kpage + j0 * row + (h / group) * kD;
+            V16 acc[16];
+            if (m == 16) {
+              _Pragma("GCC unroll 16") for (int64_t j = 0; j < 16; ++j) {
                 const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
-                for (int64_t c = 0; c < kC; ++c) acc[j] += qv[c] * kv[c];
+                acc[j] = qv[0] * kv[0];
+                _Pragma("GCC unroll 8") for (int64_t c = 1; c < kC; ++c) {
+                  acc[j] += qv[c] * kv[c];
+                }
+              }
+            } else {
+              for (int64_t j = 0; j < 16; ++j) {
+                acc[j] = V16{};
+                if (j < m) {
+                  const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
+                  for (int64_t c = 0; c < kC; ++c) acc[j] += qv[c] * kv[c];
+                }
               }
             }
+            const V16 sums = SumLanes16(acc) * scale;
+            std::memcpy(scores + h * len + t0 + j0, &sums, sizeof(float) * m);
           }
-          const V16 sums = SumLanes16(acc) * scale;
-          std::memcpy(scores + h * len + t0 + j0, &sums, sizeof(float) * m);
         }
+        continue;  // the next page
       }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const float* krow = kpage + j * row;
-        prefetch_row(j);
-        for (int64_t h = 0; h < hq; ++h) {
-          const float* qh = q + h * d;
-          const float* kh = krow + (h / group) * d;
-          float acc = 0.0f;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* krow = kpage + j * row;
+      prefetch_row(j);
+      for (int64_t h = 0; h < hq; ++h) {
+        const float* qh = q + h * d;
+        const float* kh = krow + (h / group) * d;
+        float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-          for (int64_t i = 0; i < d; ++i) acc += qh[i] * kh[i];
-          scores[h * len + t0 + j] = acc * scale;
-        }
+        for (int64_t i = 0; i < d; ++i) acc += qh[i] * kh[i];
+        scores[h * len + t0 + j] = acc * scale;
       }
     }
   }
