@@ -63,6 +63,26 @@ static inline float ExpNonPositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// Each of ``rows`` rows of ``len`` scores -> its softmax, in place.
+static inline __attribute__((always_inline)) void SoftmaxRows(float* scores, int64_t rows,
+                                                             int64_t len) {
+  for (int64_t h = 0; h < rows; ++h) {
+    float* s = scores + h * len;
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 1; t < len; ++t) m = m > s[t] ? m : s[t];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = ExpNonPositive(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
 // 16 floats as one vector (GCC's vector extension: one zmm under AVX-512, split into
 // narrower registers by the other clones).
 typedef float V16 __attribute__((vector_size(64), aligned(4), may_alias));
@@ -92,9 +112,10 @@ static inline __attribute__((always_inline)) V16 SumLanes16(V16* a) {
   return __builtin_shuffle(a[0], a[1], lo4) + __builtin_shuffle(a[0], a[1], hi4);
 }
 
-// Whether the host has AVX-512, where SumLanes16's shuffles are one instruction each (the
-// AVX2 and plain clones build them from single lanes, several times slower than the
-// per-key sums).
+// Whether the host has AVX-512, where the 16-float vectors below are one register and
+// SumLanes16's shuffles one instruction each. The AVX2 and plain clones build the shuffles
+// from single lanes and spill the vectors: the call ran 3x slower (an AVX2 build on an
+// AVX-512 host), so there the per-key loops serve.
 static bool WideShuffles() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool wide = [] {
@@ -111,10 +132,7 @@ static bool WideShuffles() {
 // for each key (a key's Hkv*d row is contiguous; the query heads of one KV head read it
 // together), softmax per head, then the weighted sum of the V rows in the same order.
 // ``kD`` > 0 fixes the head size at compile time: the many short loops over d (two per
-// query head and key) are then unrolled, which at d = 64 more than halves the call. A
-// multiple of 16 (64, 128) also sums V head by head with the output in registers and, with
-// AVX-512, scores keys 16 at a time: the call 1.4x faster again at SmolLM2's shapes
-// (bench/RESULTS.md).
+// query head and key) are then unrolled, which at d = 64 more than halves the call.
 template <int64_t kD>
 CONFLUX_CLONES
 static void AttendOneD(const float* q, const float* k, const float* v, const int32_t* pages,
@@ -137,55 +155,14 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     const float* knext = t0 + page_size < len
         ? k + std::clamp<int64_t>(pages[t0 / page_size + 1], 0, num_pages - 1) * page_floats
         : nullptr;
-    auto prefetch_row = [&](int64_t j) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* krow = kpage + j * row;
       // A row's worth of lines each, spread over the rows: a burst of a whole page of
       // requests would wait on the core's few outstanding-miss slots.
       for (int64_t f = j * row; f < (j + 1) * row; f += 16) {
         __builtin_prefetch(vpage + f, 0, 2);
         if (knext != nullptr) __builtin_prefetch(knext + f, 0, 3);
       }
-    };
-    if constexpr (kD > 0 && kD % 16 == 0) {
-      if (WideShuffles()) {
-        // Up to 16 keys at a time per query head: each key's dot product as one vector of
-        // partial sums, then the 16 sums at once (SumLanes16) instead of one horizontal sum
-        // per key and head.
-        constexpr int64_t kC = kD / 16;
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-          const int64_t m = std::min<int64_t>(16, n - j0);
-          for (int64_t j = j0; j < j0 + m; ++j) prefetch_row(j);
-          for (int64_t h = 0; h < hq; ++h) {
-            V16 qv[kC];
-            std::memcpy(qv, q + h * kD, sizeof(qv));
-            const float* kh = kpage + j0 * row + (h / group) * kD;
-            V16 acc[16];
-            if (m == 16) {
-              _Pragma("GCC unroll 16") for (int64_t j = 0; j < 16; ++j) {
-                const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
-                acc[j] = qv[0] * kv[0];
-                _Pragma("GCC unroll 8") for (int64_t c = 1; c < kC; ++c) {
-                  acc[j] += qv[c] * kv[c];
-                }
-              }
-            } else {
-              for (int64_t j = 0; j < 16; ++j) {
-                acc[j] = V16{};
-                if (j < m) {
-                  const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
-                  for (int64_t c = 0; c < kC; ++c) acc[j] += qv[c] * kv[c];
-                }
-              }
-            }
-            const V16 sums = SumLanes16(acc) * scale;
-            std::memcpy(scores + h * len + t0 + j0, &sums, sizeof(float) * m);
-          }
-        }
-        continue;  // the next page
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* krow = kpage + j * row;
-      prefetch_row(j);
       for (int64_t h = 0; h < hq; ++h) {
         const float* qh = q + h * d;
         const float* kh = krow + (h / group) * d;
@@ -196,46 +173,7 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
       }
     }
   }
-  for (int64_t h = 0; h < hq; ++h) {
-    float* s = scores + h * len;
-    float m = s[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 1; t < len; ++t) m = m > s[t] ? m : s[t];
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = ExpNonPositive(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-  }
-  if constexpr (kD > 0 && kD % 16 == 0) {
-    // One query head at a time over all the keys, its output in registers: no load and
-    // store of the output per key.
-    constexpr int64_t kC = kD / 16;
-    for (int64_t h = 0; h < hq; ++h) {
-      V16 o[kC] = {};
-      const float* p = scores + h * len;
-      for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-        const int64_t page = std::clamp<int64_t>(pages[t0 / page_size], 0, num_pages - 1);
-        const float* vh = v + page * page_floats + (h / group) * kD;
-        const int64_t n = std::min(page_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (h == 0 && t0 == 0 && next_k != nullptr) {  // the next sequence's first K page
-            for (int64_t f = j * row; f < (j + 1) * row; f += 16)
-              __builtin_prefetch(next_k + f, 0, 2);
-          }
-          const V16* vr = reinterpret_cast<const V16*>(vh + j * row);
-          const float w = p[t0 + j];
-          for (int64_t c = 0; c < kC; ++c) o[c] += w * vr[c];
-        }
-      }
-      std::memcpy(out + h * kD, o, sizeof(o));
-    }
-    return;
-  }
+  SoftmaxRows(scores, hq, len);
   std::memset(out, 0, sizeof(float) * hq * d);
   for (int64_t t0 = 0; t0 < len; t0 += page_size) {
     const int64_t page = std::clamp<int64_t>(pages[t0 / page_size], 0, num_pages - 1);
@@ -256,6 +194,86 @@ static void AttendOneD(const float* q, const float* k, const float* v, const int
     }
   }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// AttendOneD for AVX-512 hosts and head sizes that are a multiple of 16 (64, 128): a page's
+// keys scored 16 at a time per query head (their dot products as vectors of partial sums,
+// then SumLanes16: ~3 operations per key and head where a horizontal sum takes ~8), and V
+// summed one query head at a time with its output in registers (no load and store of the
+// output per key). The call 1.4x faster at SmolLM2's shapes (bench/RESULTS.md).
+template <int64_t kD>
+__attribute__((target("avx512f"))) static void AttendOneWide(
+    const float* q, const float* k, const float* v, const int32_t* pages, int64_t len,
+    int64_t num_pages, int64_t page_size, int64_t hq, int64_t hkv, float scale,
+    float* scores, float* out, const float* next_k) {
+  static_assert(kD > 0 && kD % 16 == 0, "head size: a multiple of 16");
+  constexpr int64_t kC = kD / 16;  // vectors per head
+  const int64_t group = hq / hkv;
+  const int64_t row = hkv * kD;  // floats per token in a page
+  const int64_t page_floats = page_size * row;
+  for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+    const int64_t page = std::clamp<int64_t>(pages[t0 / page_size], 0, num_pages - 1);
+    const float* kpage = k + page * page_floats;
+    const float* vpage = v + page * page_floats;
+    const int64_t n = std::min(page_size, len - t0);
+    const float* knext = t0 + page_size < len
+        ? k + std::clamp<int64_t>(pages[t0 / page_size + 1], 0, num_pages - 1) * page_floats
+        : nullptr;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t j = j0; j < j0 + m; ++j) {  // as AttendOneD: this page's V, the next K
+        for (int64_t f = j * row; f < (j + 1) * row; f += 16) {
+          __builtin_prefetch(vpage + f, 0, 2);
+          if (knext != nullptr) __builtin_prefetch(knext + f, 0, 3);
+        }
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        V16 qv[kC];
+        std::memcpy(qv, q + h * kD, sizeof(qv));
+        const float* kh = kpage + j0 * row + (h / group) * kD;
+        V16 acc[16];
+        if (m == 16) {
+          _Pragma("GCC unroll 16") for (int64_t j = 0; j < 16; ++j) {
+            const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
+            acc[j] = qv[0] * kv[0];
+            _Pragma("GCC unroll 8") for (int64_t c = 1; c < kC; ++c) acc[j] += qv[c] * kv[c];
+          }
+        } else {
+          for (int64_t j = 0; j < 16; ++j) {
+            acc[j] = V16{};
+            if (j < m) {
+              const V16* kv = reinterpret_cast<const V16*>(kh + j * row);
+              for (int64_t c = 0; c < kC; ++c) acc[j] += qv[c] * kv[c];
+            }
+          }
+        }
+        const V16 sums = SumLanes16(acc) * scale;
+        std::memcpy(scores + h * len + t0 + j0, &sums, sizeof(float) * m);
+      }
+    }
+  }
+  SoftmaxRows(scores, hq, len);
+  for (int64_t h = 0; h < hq; ++h) {
+    V16 o[kC] = {};
+    const float* p = scores + h * len;
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+      const int64_t page = std::clamp<int64_t>(pages[t0 / page_size], 0, num_pages - 1);
+      const float* vh = v + page * page_floats + (h / group) * kD;
+      const int64_t n = std::min(page_size, len - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        if (h == 0 && t0 == 0 && next_k != nullptr) {  // the next sequence's first K page
+          for (int64_t f = j * row; f < (j + 1) * row; f += 16)
+            __builtin_prefetch(next_k + f, 0, 2);
+        }
+        const V16* vr = reinterpret_cast<const V16*>(vh + j * row);
+        const float w = p[t0 + j];
+        for (int64_t c = 0; c < kC; ++c) o[c] += w * vr[c];
+      }
+    }
+    std::memcpy(out + h * kD, o, sizeof(o));
+  }
+}
+#endif
 
 // Calls ``f(std::integral_constant<int64_t, kD>)`` with the head size fixed at compile time
 // where it is a common one (kD = d), else kD = 0 (read at run time).
@@ -320,6 +338,16 @@ static ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                          page_floats
           : nullptr;
       WithHeadDim(d, [&](auto kd) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        if constexpr (kd() > 0 && kd() % 16 == 0) {
+          if (WideShuffles()) {
+            return AttendOneWide<kd()>(q.typed_data() + s * hq * d, k_data,
+                                       v_pages.typed_data(), table + s * width, lens[s],
+                                       num_pages, page_size, hq, hkv, sm_scale,
+                                       scores.data(), o + s * hq * d, next_k);
+          }
+        }
+#endif
         AttendOneD<kd()>(q.typed_data() + s * hq * d, k_data, v_pages.typed_data(),
                          table + s * width, lens[s], num_pages, page_size, hq, hkv, d,
                          sm_scale, scores.data(), o + s * hq * d, next_k);
