@@ -183,12 +183,15 @@ PanelsFn HostPanels(int64_t m) {
 // Rows of x per block of Panels: all of them while x fits in L2; past that, equal blocks
 // of at most a quarter of L2 each (a multiple of 8 rows, the AVX-512 tile), so that each
 // block is read from L2, not L3, by every panel. Without blocks the kernel lost 1.1x at
-// 1024 rows and 1.3x at 2048 (bench/RESULTS.md); blocks cost up to 2% below that, where
-// they stay off. $CONFLUX_GEMM_XBLOCK_KB sets the block's KiB (0: one block), as tests do.
+// 1024 rows and 1.3x at 2048 (bench/RESULTS.md). Blocks of fewer than 128 rows re-read the
+// panels too often (56-row blocks: 0.94x at 256 rows): a small L2 gets blocks of 128 rows
+// that overflow it rather than more of them. $CONFLUX_GEMM_XBLOCK_KB sets the block's KiB
+// (0: one block; no floor), as tests do.
 int64_t RowBlock(int64_t k, int64_t m) {
+  constexpr int64_t kMinBlockRows = 128;
   const char* env = std::getenv("CONFLUX_GEMM_XBLOCK_KB");
   const int64_t bytes = m * k * static_cast<int64_t>(sizeof(float));
-  int64_t budget;
+  int64_t budget, least = 8;
   if (env && *env) {
     budget = std::atoll(env) * 1024;
   } else {
@@ -197,11 +200,12 @@ int64_t RowBlock(int64_t k, int64_t m) {
       return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
     }();
     budget = bytes <= l2 ? 0 : l2 / 4;
+    least = kMinBlockRows;
   }
   if (budget <= 0) return std::max<int64_t>(m, 1);
   const int64_t blocks = (bytes + budget - 1) / budget;
   const int64_t rows = (m + blocks - 1) / blocks;
-  return std::max<int64_t>(8, (rows + 7) / 8 * 8);
+  return std::max<int64_t>(least, (rows + 7) / 8 * 8);
 }
 
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
