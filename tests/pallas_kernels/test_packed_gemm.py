@@ -82,7 +82,7 @@ def test_live_rows_only(live, isa, monkeypatch):
 def test_row_blocks(block_kib, isa, monkeypatch):
     """Rows taken in blocks (``$CONFLUX_GEMM_XBLOCK_KB``; 1 KiB: 8-row blocks, 25: three
     blocks of 24 and a short one, 0: one block) give the same product, partial panel and
-    several K blocks included, and so does the host's own choice at a size past any L2."""
+    several K blocks included."""
     monkeypatch.setenv("CONFLUX_GEMM_XBLOCK_KB", block_kib)
     w, x = _rand(2, 300, 70), _rand(75, 300)  # 75 x 300 floats: 88 KiB of x
     _check(x, w, 1, isa, monkeypatch)
@@ -90,6 +90,7 @@ def test_row_blocks(block_kib, isa, monkeypatch):
 
 
 def test_row_blocks_chosen_by_the_host(monkeypatch):
+    """The host's own blocks (from its L2 size, at least 128 rows) at a size past any L2."""
     monkeypatch.delenv("CONFLUX_GEMM_XBLOCK_KB", raising=False)
     w, x = _rand(1, 1536, 40), _rand(1200, 1536)  # 7 MiB of x: past L2, blocked
     _check(x, w, 0, "", monkeypatch)
