@@ -403,6 +403,9 @@ class JaxExecutor:
                 attention_impl=self.attention_impl, linears=self.linears,
                 decode_attention=self.decode_attention,
                 prefill_attention=self.prefill_attention, kv_layout=self.kv_layout,
+                # The CPU handlers' library writes the KV too, wherever it attends.
+                kv_write="cpu" if "cpu" in (self.decode_attention, self.prefill_attention)
+                else "xla",
                 replicate_samples=self.process_count > 1)
 
         def layout(num_pages: int) -> BatchLayout:

@@ -24,6 +24,7 @@ from flax import nnx
 from conflux_jax.config import ModelConfig
 from conflux_jax.models.params import (
     FUSED_LINEARS,
+    GATED_LINEARS,
     Params,
     fused_widths,
     layers_unstacked,
@@ -50,7 +51,7 @@ LINEARS = ("xla", "blas", "packed")
 BLAS_MIN_ROWS, BLAS_MAX_ROWS = 2, 128
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
-                 "mlp_norm", "w_gate", "w_up", "w_down", *FUSED_LINEARS)
+                 "mlp_norm", "w_gate", "w_up", "w_down", *FUSED_LINEARS, *GATED_LINEARS)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -156,6 +157,8 @@ class Decoder(nnx.Module):
         out_features = {name: shape[-1] for name, shape in param_shapes(cfg)["layers"].items()}
         widths = fused_widths(cfg)  # packed: Q, K and V are one matrix
         out_features.update({name: sum(w) for name, w in widths.items()})
+        out_features.update({name: out_features[parts[0]]  # silu(gate) * up: gate's width
+                             for name, parts in GATED_LINEARS.items()})
 
         def split(a: jax.Array, name: str) -> list[jax.Array]:
             bounds = np.cumsum(widths[name])[:-1].tolist()
@@ -186,13 +189,16 @@ class Decoder(nnx.Module):
             attn_out = lin(o.reshape(*o.shape[:-2], -1), "wo")
             h = h + _all_reduce(attn_out, tp_axis)
             m = norm(h, "mlp_norm")
-            ffn = lin(jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up"), "w_down")
+            gated = lin(m, "w_gate_up") if packed else \
+                jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up")
+            ffn = lin(gated, "w_down")
             h = h + _all_reduce(ffn, tp_axis)
             return h, kv
 
         def packed_linear(a: jax.Array, w: jax.Array, layer: jax.Array | int,
                           name: str) -> jax.Array:
-            return packed_matmul(a, w, layer, out_features[name], live_rows).astype(a.dtype)
+            return packed_matmul(a, w, layer, out_features[name], live_rows,
+                                 gated=name in GATED_LINEARS).astype(a.dtype)
 
         if unrolled:
             carry = (x, kv)

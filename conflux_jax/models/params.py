@@ -112,10 +112,13 @@ def layers_unstacked(params: Mapping[str, Any]) -> bool:
 # Packed, wq | wk | wv are one matrix, their columns side by side: one GEMM call streams a
 # layer's Q, K and V projections. In a scan over SmolLM2's 30 layers that ran 1.62x faster
 # at one row, 1.08x at 16, 1.02x at 256 (fewer calls; wk and wv alone are too narrow to keep
-# the prefetcher and both threads busy); gate | up fused gained nothing (0.96-1.04x) and
-# stay two matrices (bench/RESULTS.md, "A second host of this kind").
+# the prefetcher and both threads busy). gate | up side by side gained nothing (0.96-1.04x,
+# bench/RESULTS.md, "A second host of this kind"); they are packed as one gated matrix
+# instead (``GATED_LINEARS``: panels interleaved, ``pack_gated``), whose GEMM applies the
+# SwiGLU on each tile: XLA's pass of silu(gate) * up over the whole [T, 2F] product is gone.
 FUSED_LINEARS = {"wqkv": ("wq", "wk", "wv")}
-PACKED_LINEARS = ("wqkv", "wo", "w_gate", "w_up", "w_down")
+GATED_LINEARS = {"w_gate_up": ("w_gate", "w_up")}
+PACKED_LINEARS = ("wqkv", "wo", "w_down")
 
 
 def fused_widths(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -128,21 +131,25 @@ def fused_widths(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def pack_linears(params: Params) -> Params:
     """``params`` with every matrix the packed GEMM reads packed into 32-column panels
     (``pallas_kernels.cpu_gemm.pack_weight``): the layer matrices, Q, K and V fused first
-    (``FUSED_LINEARS``: ``wqkv`` f[L, P, D, 32]), and the LM head,
+    (``FUSED_LINEARS``: ``wqkv`` f[L, P, D, 32]), gate and up as one gated matrix
+    (``GATED_LINEARS``: ``w_gate_up`` f[L, 2P, D, 32], ``pack_gated``), and the LM head,
     f[ceil(V/32), D, 32]. Tied embeddings are stored once, as that packed head
     (``Decoder.embed_tokens`` reads token rows out of it). Host (numpy) arrays."""
-    from pallas_kernels.cpu_gemm import pack_weight
+    from pallas_kernels.cpu_gemm import pack_gated, pack_weight
 
     if linears_packed(params):
         raise ValueError("the linears are already packed")
 
     def pack_layer(weights: Mapping[str, Any]) -> dict[str, Any]:
-        fused = {name: np.concatenate([np.asarray(weights[p]) for p in parts], axis=-1)
+        fused = {name: pack_weight(np.concatenate([np.asarray(weights[p]) for p in parts],
+                                                  axis=-1))
                  for name, parts in FUSED_LINEARS.items()}
-        parts = {p for ps in FUSED_LINEARS.values() for p in ps}
-        kept = {k: w for k, w in weights.items() if k not in parts}
-        return {k: pack_weight(w) if k in PACKED_LINEARS else w
-                for k, w in {**kept, **fused}.items()}
+        gated = {name: pack_gated(*(weights[p] for p in parts))
+                 for name, parts in GATED_LINEARS.items()}
+        parts = {p for ps in (*FUSED_LINEARS.values(), *GATED_LINEARS.values()) for p in ps}
+        kept = {k: pack_weight(w) if k in PACKED_LINEARS else w
+                for k, w in weights.items() if k not in parts}
+        return {**kept, **fused, **gated}
 
     layers = params["layers"]
     out = {**params, "layers": tuple(pack_layer(w) for w in layers)

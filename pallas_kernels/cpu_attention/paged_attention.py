@@ -8,11 +8,13 @@ SmolLM2's shapes that costs several times what reading the KV once does. Two C++
 - ``paged_decode``: one query token per sequence, one token row (all KV heads) at a time;
 - ``paged_prefill``: ragged chunks of query tokens, causal, as blocks of query rows (the
   tokens of a run times the query heads of one KV head) against blocks of keys with an
-  online softmax.
+  online softmax;
+- ``paged_kv_write``: a step's new K or V rows into their slots of one layer of the
+  stacked pool, in place (one copy per row, where XLA's scatter walks index by index).
 
 The library is built on first use with the system C++ compiler into the kernel cache of
 ``pallas_kernels.cpu_gemm`` (for each of AVX-512, AVX2 and plain x86-64; the loader picks
-the host's). fp32 only.
+the host's). fp32 only (``paged_kv_write``: any dtype).
 
 The contract is ``ragged_paged_attention``'s (``paged_decode``: for
 ``cu_q_lens = arange(S + 1)``); ``ref_ragged_paged_attention`` is the oracle the tests check
@@ -30,12 +32,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_gemm.stacked_gemm import PARALLEL_HEADER, load_handler, loads
+from pallas_kernels.cpu_gemm.stacked_gemm import (
+    MATH_HEADER,
+    PARALLEL_HEADER,
+    load_handler,
+    loads,
+)
 
-__all__ = ["paged_attention_available", "paged_decode", "paged_prefill"]
+__all__ = ["paged_attention_available", "paged_decode", "paged_kv_write", "paged_prefill"]
 
 DECODE_TARGET = "conflux_paged_decode"
 PREFILL_TARGET = "conflux_paged_prefill"
+KV_WRITE_TARGET = "conflux_paged_kv_write"
 _SOURCE = Path(__file__).with_name("paged_attention.cc")
 
 # No -ffast-math: GCC 12 then links crtfastmath, whose constructor flushes subnormals to
@@ -46,10 +54,12 @@ _FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pth
 
 @functools.cache
 def _load() -> ctypes.CDLL:
-    load_handler(_SOURCE, "ConfluxPagedDecode", DECODE_TARGET, [jax.ffi.include_dir()],
-                 _FLAGS, headers=(PARALLEL_HEADER,))
-    return load_handler(_SOURCE, "ConfluxPagedPrefill", PREFILL_TARGET,
-                        [jax.ffi.include_dir()], _FLAGS, headers=(PARALLEL_HEADER,))
+    for symbol, target in (("ConfluxPagedDecode", DECODE_TARGET),
+                           ("ConfluxPagedPrefill", PREFILL_TARGET),
+                           ("ConfluxPagedKvWrite", KV_WRITE_TARGET)):
+        handle = load_handler(_SOURCE, symbol, target, [jax.ffi.include_dir()], _FLAGS,
+                              headers=(PARALLEL_HEADER, MATH_HEADER))
+    return handle
 
 
 @functools.cache
@@ -92,6 +102,33 @@ def paged_prefill(
     into the pool; ``sm_scale`` defaults to ``1/sqrt(d)``."""
     return _call(PREFILL_TARGET, "paged_prefill", q, k_pages, v_pages, kv_lens, page_indices,
                  cu_q_lens, num_seqs, sm_scale)
+
+
+def paged_kv_write(
+    pool: jax.Array,  # [L, ...] each layer's elements: S slots of one row each
+    layer: jax.Array | int,  # i32[] the layer written
+    rows: jax.Array,  # [T, ...] in the pool's dtype
+    slots: jax.Array,  # i32[T] each row's slot in the layer; outside [0, S): not written
+) -> jax.Array:  # the pool with the rows written
+    """``pool.reshape(L, S, *rows.shape[1:]).at[layer, slots].set(rows, mode="drop")``
+    (negative slots dropped too) by the C++ handler (``paged_attention_available`` must
+    hold), updating ``pool`` in place: its buffer is aliased to the result, so donate it
+    (or carry it through a loop) and XLA copies nothing. The pool is passed in its own
+    shape: reshaped on the way in, XLA copied it around the call. Two rows must not share
+    a slot."""
+    row = math.prod(rows.shape[1:])
+    if rows.dtype != pool.dtype or pool.ndim < 2 or rows.ndim < 1 or \
+            math.prod(pool.shape[1:]) % max(row, 1):
+        raise ValueError(f"paged_kv_write: rows {rows.dtype}{list(rows.shape)} do not fit "
+                         f"the pool {pool.dtype}{list(pool.shape)} ([L, ...], each layer "
+                         "whole rows)")
+    if slots.shape != rows.shape[:1]:
+        raise ValueError(f"paged_kv_write: {slots.shape} slots for {rows.shape[0]} rows")
+    _load()
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0})
+    return call(pool, jnp.asarray(layer, jnp.int32).reshape(1), rows,
+                jnp.asarray(slots, jnp.int32))
 
 
 def _call(target: str, name: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

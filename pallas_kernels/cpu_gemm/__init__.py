@@ -3,6 +3,7 @@ packed weights (``packed_gemm``), and OpenBLAS on plain ones (``stacked_gemm``).
 
 from pallas_kernels.cpu_gemm.packed_gemm import (
     PANEL,
+    pack_gated,
     pack_weight,
     packed_gemm_available,
     packed_matmul,
@@ -25,5 +26,5 @@ from pallas_kernels.cpu_gemm.stacked_gemm import (
 
 __all__ = ["CACHE_ENV_VAR", "PANEL", "blas_available", "build_handler", "handler_key",
            "kernel_cache_dir", "library_key", "load_handler", "load_library", "loads",
-           "pack_weight", "packed_gemm_available", "packed_matmul", "packed_matmul_xla",
-           "stacked_matmul", "stacked_matmul_xla", "unpack_weight"]
+           "pack_gated", "pack_weight", "packed_gemm_available", "packed_matmul",
+           "packed_matmul_xla", "stacked_matmul", "stacked_matmul_xla", "unpack_weight"]

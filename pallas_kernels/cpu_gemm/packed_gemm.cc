@@ -2,7 +2,9 @@
 // panels of 32 output columns, each K x 32 contiguous; columns past n are zero), layer
 // ``layer`` of L. Only the first ``rows`` rows of x are multiplied; the rest of out is
 // zero (a step's buffer is padded to its bucket: its padding rows cost no FLOPs).
-// XLA FFI, fp32, the CPU.
+// XLA FFI, fp32, the CPU. The gated handler computes silu(x @ gate) * (x @ up) instead,
+// gate's and up's panels interleaved in w (f32[L, 2P, K, 32]): a SwiGLU MLP's first half
+// in one call, its silu and product on each 32-column tile while it is in L1.
 //
 // Why packed: a decode step's GEMMs have few rows (1-64), so they stream their weights
 // from memory once and are bound by how fast one core pulls them. A panel read front to back
@@ -24,6 +26,7 @@
 
 #include <unistd.h>
 
+#include "cpu_math.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,9 +41,10 @@ constexpr int64_t kMinWorkPerPart = 1 << 20;  // weight floats x (rows + 4) per 
 
 struct Problem {
   const float* x;  // f32[M, K]
-  const float* w;  // f32[P, K, 32] one layer
+  const float* w;  // f32[W, K, 32] one layer (W = panels, or 2 panels when gated)
   float* out;      // f32[M, n]
-  int64_t m, k, n, panels;
+  int64_t m, k, n, panels;  // panels: output panels (a gated product reads two each)
+  bool gated;      // out = silu(x @ gate) * (x @ up), their panels interleaved in w
 };
 
 }  // namespace
@@ -110,34 +114,59 @@ struct Problem {
     return r == 0 ? 1 : r == kMaxRows ? 2 : 0;                                             \
   }                                                                                        \
                                                                                            \
-  /* Panels [p0, p1) of the product, rows in blocks of mb (x's block stays in L2 while
-     every panel passes over it; the panels are re-read per block, from L3). */           \
+  /* out[0:rn, 0:32] (row stride ldo) = x[0:rn] @ panel, x's rows k apart. */            \
+  void PanelProduct(const float* x, int64_t k, int64_t rn, const float* panel, float* out,  \
+                    int64_t ldo) {                                                         \
+    for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {                                          \
+      const int64_t kn = std::min(kKBlock, k - k0);                                        \
+      for (int64_t c = 0; c < kPanel; c += kTileCols) {                                    \
+        for (int64_t r = 0; r < rn; r += kMaxRows) {                                       \
+          Rows<kMaxRows>(std::min<int64_t>(kMaxRows, rn - r), x + r * k + k0, k,           \
+                         panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo, k0 == 0,     \
+                         c != 0 ? 0 : StreamLines(rn, r));                                 \
+        }                                                                                  \
+      }                                                                                    \
+    }                                                                                      \
+  }                                                                                        \
+                                                                                           \
+  /* out[r, 0:cols] = silu(gate[r]) * up[r] for rn rows (gate, up: rows of 32). */        \
+  __attribute__((target(TARGET))) void GatedStore(const float* gate, const float* up,      \
+                                                  int64_t rn, int64_t cols, float* out,    \
+                                                  int64_t ldo) {                           \
+    for (int64_t r = 0; r < rn; ++r) {                                                     \
+      const float* g = gate + r * kPanel;                                                  \
+      const float* u = up + r * kPanel;                                                    \
+      float* o = out + r * ldo;                                                            \
+      _Pragma("omp simd") for (int64_t c = 0; c < cols; ++c)                               \
+        o[c] = conflux::Silu(g[c]) * u[c];                                                 \
+    }                                                                                      \
+  }                                                                                        \
+                                                                                           \
+  /* Output panels [p0, p1) of the product, rows in blocks of mb (x's block stays in L2
+     while every panel passes over it; the panels are re-read per block, from L3). A
+     gated product's output panel p is weight panels 2p (gate) and 2p + 1 (up). */        \
   void Panels(const Problem& pr, int64_t p0, int64_t p1, int64_t mb) {                     \
-    std::vector<float> tail;  /* the last panel's rows when n is not a multiple of 32 */  \
+    std::vector<float> tile;  /* panels' rows on their way to a partial or gated store */ \
     for (int64_t r0 = 0; r0 < pr.m; r0 += mb) {                                            \
       const int64_t rn = std::min(mb, pr.m - r0);                                          \
+      const float* x = pr.x + r0 * pr.k;                                                   \
       for (int64_t p = p0; p < p1; ++p) {                                                  \
-        const bool partial = (p + 1) * kPanel > pr.n;                                      \
-        if (partial) tail.assign(rn * kPanel, 0.0f);                                       \
-        float* out = partial ? tail.data() : pr.out + r0 * pr.n + p * kPanel;              \
-        const int64_t ldo = partial ? kPanel : pr.n;                                       \
-        const float* panel = pr.w + p * pr.k * kPanel;                                     \
-        const float* x = pr.x + r0 * pr.k;                                                 \
-        for (int64_t k0 = 0; k0 < pr.k; k0 += kKBlock) {                                   \
-          const int64_t kn = std::min(kKBlock, pr.k - k0);                                 \
-          for (int64_t c = 0; c < kPanel; c += kTileCols) {                                \
-            for (int64_t r = 0; r < rn; r += kMaxRows) {                                   \
-              Rows<kMaxRows>(std::min<int64_t>(kMaxRows, rn - r), x + r * pr.k + k0, pr.k,  \
-                             panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo, k0 == 0,  \
-                             c != 0 ? 0 : StreamLines(rn, r));                             \
-            }                                                                              \
-          }                                                                                \
-        }                                                                                  \
-        if (partial) {                                                                     \
-          const int64_t cols = pr.n - p * kPanel;                                          \
+        const int64_t cols = std::min(kPanel, pr.n - p * kPanel);                          \
+        float* out = pr.out + r0 * pr.n + p * kPanel;                                      \
+        const int64_t panel_floats = pr.k * kPanel;                                        \
+        if (pr.gated) {                                                                    \
+          tile.resize(2 * rn * kPanel);                                                    \
+          float* up = tile.data() + rn * kPanel;                                           \
+          PanelProduct(x, pr.k, rn, pr.w + 2 * p * panel_floats, tile.data(), kPanel);     \
+          PanelProduct(x, pr.k, rn, pr.w + (2 * p + 1) * panel_floats, up, kPanel);        \
+          GatedStore(tile.data(), up, rn, cols, out, pr.n);                                \
+        } else if (cols < kPanel) {  /* the last panel, n not a multiple of 32 */         \
+          tile.resize(rn * kPanel);                                                        \
+          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, tile.data(), kPanel);         \
           for (int64_t r = 0; r < rn; ++r)                                                 \
-            std::memcpy(pr.out + (r0 + r) * pr.n + p * kPanel, tail.data() + r * kPanel,  \
-                        cols * sizeof(float));                                             \
+            std::memcpy(out + r * pr.n, tile.data() + r * kPanel, cols * sizeof(float));   \
+        } else {                                                                           \
+          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, out, pr.n);                   \
         }                                                                                  \
       }                                                                                    \
     }                                                                                      \
@@ -208,6 +237,9 @@ int64_t RowBlock(int64_t k, int64_t m) {
   return std::max<int64_t>(least, (rows + 7) / 8 * 8);
 }
 
+// Both handlers: x f32[M, K], w f32[L, W, K, 32] (W weight panels: P, or 2P gated),
+// layer i32[1], rows i32[1] -> out f32[M, n], P = ceil(n / 32) output panels.
+template <bool kGated>
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
                       ffi::ResultBuffer<ffi::F32> out) {
@@ -218,9 +250,11 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "packed_gemm: x must be f32[M, K], w f32[L, P, K, 32], out f32[M, n]");
   }
-  Problem pr{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], od[1], wd[1]};
+  const int64_t weight_panels = wd[1];
+  Problem pr{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], od[1],
+             kGated ? weight_panels / 2 : weight_panels, kGated};
   if (wd[2] != pr.k || od[0] != pr.m || pr.n > pr.panels * kPanel ||
-      pr.n <= (pr.panels - 1) * kPanel) {
+      pr.n <= (pr.panels - 1) * kPanel || (kGated && weight_panels % 2)) {
     return ffi::Error::InvalidArgument("packed_gemm: inconsistent shapes");
   }
   const int32_t l = layer.typed_data()[0];
@@ -230,12 +264,12 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   pr.m = live;
   const PanelsFn panels_fn = HostPanels(pr.m);
   if (pr.m == 0 || pr.n == 0) return ffi::Error::Success();
-  pr.w = w.typed_data() + static_cast<int64_t>(l) * pr.panels * pr.k * kPanel;
-  if (pr.k == 0) {
+  pr.w = w.typed_data() + static_cast<int64_t>(l) * weight_panels * pr.k * kPanel;
+  if (pr.k == 0) {  // silu(0) * 0 = 0 too
     std::memset(pr.out, 0, sizeof(float) * pr.m * pr.n);
     return ffi::Error::Success();
   }
-  const int64_t total = pr.panels * pr.k * kPanel * (pr.m + 4);
+  const int64_t total = weight_panels * pr.k * kPanel * (pr.m + 4);
   const int64_t parts = std::min(conflux::PartsFor(pool, total, kMinWorkPerPart), pr.panels);
   const int64_t mb = RowBlock(pr.k, pr.m);
   auto run = [&](int64_t part) {
@@ -245,13 +279,19 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+auto PackedGemmBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // x
+      .Arg<ffi::Buffer<ffi::F32>>()  // w packed
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Arg<ffi::Buffer<ffi::S32>>()  // rows: live rows of x
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w packed
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: live rows of x
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm<false>, PackedGemmBinding());
+// silu(x @ gate) * (x @ up) (a SwiGLU MLP's first half) in one pass: the gate and up
+// panels of each 32 output columns interleaved in w.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmGated, PackedGemm<true>, PackedGemmBinding());

@@ -30,22 +30,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_gemm.stacked_gemm import PARALLEL_HEADER, load_handler, loads
+from pallas_kernels.cpu_gemm.stacked_gemm import (
+    MATH_HEADER,
+    PARALLEL_HEADER,
+    load_handler,
+    loads,
+)
 
-__all__ = ["PANEL", "pack_weight", "packed_gemm_available", "packed_matmul",
+__all__ = ["PANEL", "pack_gated", "pack_weight", "packed_gemm_available", "packed_matmul",
            "packed_matmul_xla", "unpack_weight"]
 
 PANEL = 32  # output columns of a panel (the kernel's kPanel)
 TARGET = "conflux_packed_gemm"
+GATED_TARGET = "conflux_packed_gemm_gated"
 _SOURCE = Path(__file__).with_name("packed_gemm.cc")
 # -std=c++17 turns FMA contraction off; the kernel's multiply-adds are written to be fused.
-_FLAGS = ("-O3", "-ffp-contract=fast", "-pthread")
+# The gated store's exp vectorizes only without errno and traps (see cpu_attention).
+_FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno",
+          "-fno-trapping-math", "-pthread")
 
 
 @functools.cache
 def _load() -> ctypes.CDLL:
-    return load_handler(_SOURCE, "ConfluxPackedGemm", TARGET, [jax.ffi.include_dir()],
-                        _FLAGS, headers=(PARALLEL_HEADER,))
+    for symbol, target in (("ConfluxPackedGemm", TARGET), ("ConfluxPackedGemmGated",
+                                                           GATED_TARGET)):
+        handle = load_handler(_SOURCE, symbol, target, [jax.ffi.include_dir()], _FLAGS,
+                              headers=(PARALLEL_HEADER, MATH_HEADER))
+    return handle
 
 
 @functools.cache
@@ -69,6 +80,17 @@ def pack_weight(w: Any) -> np.ndarray:
         np.moveaxis(padded.reshape(*lead, k, panels, PANEL), -2, -3))
 
 
+def pack_gated(w_gate: Any, w_up: Any) -> np.ndarray:
+    """f[..., K, N] twice -> f[..., 2P, K, 32]: the gate's and up's panels interleaved
+    (gate panel p at 2p, up's at 2p + 1), what ``packed_matmul(..., gated=True)`` reads."""
+    if np.shape(w_gate) != np.shape(w_up):
+        raise ValueError(f"gate and up must have one shape, got {np.shape(w_gate)} and "
+                         f"{np.shape(w_up)}")
+    gate, up = pack_weight(w_gate), pack_weight(w_up)
+    *lead, panels, k, panel = gate.shape
+    return np.stack([gate, up], axis=-3).reshape(*lead, 2 * panels, k, panel)
+
+
 def unpack_weight(wp: Any, n: int) -> Any:
     """The inverse of ``pack_weight`` (``jnp`` or numpy, as given): f[..., K, n]."""
     xp = jnp if isinstance(wp, jax.Array) else np
@@ -76,44 +98,53 @@ def unpack_weight(wp: Any, n: int) -> Any:
     return xp.moveaxis(wp, -3, -2).reshape(*lead, k, panels * panel)[..., :n]
 
 
-def _check(x: jax.Array, wp: jax.Array, n: int) -> None:
+def _check(x: jax.Array, wp: jax.Array, n: int, gated: bool) -> None:
     if wp.ndim not in (3, 4) or wp.shape[-1] != PANEL:
         raise ValueError(f"w must be packed f32[(L,) P, K, {PANEL}], got shape {wp.shape}")
     if x.shape[-1] != wp.shape[-2]:
         raise ValueError(f"x's last axis is {x.shape[-1]}, w contracts {wp.shape[-2]}")
-    if -(-n // PANEL) != wp.shape[-3]:
-        raise ValueError(f"n={n} columns do not fill {wp.shape[-3]} panels of {PANEL}")
+    per_panel = 2 if gated else 1  # a gated product reads a gate and an up panel each
+    if -(-n // PANEL) * per_panel != wp.shape[-3]:
+        raise ValueError(f"n={n} columns do not fill {wp.shape[-3]} panels of {PANEL}"
+                         + (" (gated: gate and up, interleaved)" if gated else ""))
 
 
 def packed_matmul(
     x: jax.Array,  # f32[..., K]
     wp: jax.Array,  # f32[L, P, K, 32] stacked layers, or f32[P, K, 32] one matrix
     layer: jax.Array | int,  # i32[] which of the L matrices (0 for one matrix)
-    n: int,  # output columns (P = ceil(n / 32))
+    n: int,  # output columns (P = ceil(n / 32); 2P panels when gated)
     rows: jax.Array | int | None = None,  # i32[] live rows of x flattened; None: all
+    gated: bool = False,  # wp from pack_gated: silu(x @ gate) * (x @ up)
 ) -> jax.Array:  # f32[..., n]
     """``x @ w[layer]`` on packed ``w`` by the C++ handler, reading the layer in place
     (``packed_gemm_available`` must hold). With ``rows``, only the first ``rows`` rows of
     ``x`` (its leading axes flattened) are multiplied and the others come out zero: a step
-    padded to its bucket spends no FLOPs on its padding."""
+    padded to its bucket spends no FLOPs on its padding. ``gated``: a SwiGLU MLP's
+    ``silu(x @ gate) * (x @ up)`` in one call, on ``pack_gated``'s interleaved panels."""
     if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
         raise ValueError(f"packed_matmul is fp32 only, got {x.dtype} @ {wp.dtype}")
-    _check(x, wp, n)
+    _check(x, wp, n, gated)
     _load()
     if wp.ndim == 3:
         wp = wp[None]
     lead = x.shape[:-1]
     m = math.prod(lead)
     live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    call = jax.ffi.ffi_call(GATED_TARGET if gated else TARGET,
+                            jax.ShapeDtypeStruct((m, n), jnp.float32))
     out = call(x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live)
     return out.reshape(*lead, n)
 
 
 def packed_matmul_xla(x: jax.Array, wp: jax.Array, layer: jax.Array | int,
-                      n: int) -> jax.Array:
-    """The same product in plain ``jnp`` with fp32 sums: the panels unpacked, then a dot."""
-    _check(x, wp, n)
+                      n: int, gated: bool = False) -> jax.Array:
+    """The same product in plain ``jnp`` with fp32 sums: the panels unpacked, then a dot
+    (gated: two dots, then ``jax.nn.silu(gate) * up``)."""
+    _check(x, wp, n, gated)
     if wp.ndim == 4:
         wp = jax.lax.dynamic_index_in_dim(wp, jnp.asarray(layer, jnp.int32), keepdims=False)
+    if gated:
+        gate, up = (packed_matmul_xla(x, wp[i::2], 0, n) for i in (0, 1))
+        return jax.nn.silu(gate) * up
     return jnp.matmul(x, unpack_weight(wp, n), preferred_element_type=jnp.float32)

@@ -42,6 +42,7 @@ _FLAGS = ("-O2",)
 # Work split over threads, shared by the CPU handlers (cpu_gemm, cpu_attention): the header
 # they include, and the one library of spinning workers they all call into.
 PARALLEL_HEADER = Path(__file__).parent.parent / "cpu_parallel.h"
+MATH_HEADER = PARALLEL_HEADER.with_name("cpu_math.h")  # the elementwise math they share
 _PARALLEL_SOURCE = PARALLEL_HEADER.with_suffix(".cc")
 _PARALLEL_FLAGS = ("-O2", "-pthread")
 

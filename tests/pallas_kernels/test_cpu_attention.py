@@ -1,9 +1,11 @@
 """The CPU's attention handlers (XLA FFI calls) equal the numpy oracle of ragged paged
 attention: decode calls and ragged prefill calls (fresh prompts, chunks after history, one
 token, several key blocks), GQA, unequal lengths over scattered pages, padding rows and
-slots past ``num_seqs``, empty sequences, page ids past the pool; fp32 only."""
+slots past ``num_seqs``, empty sequences, page ids past the pool; fp32 only. The KV write
+handler equals the numpy oracle of ``write_kv`` on one layer of a stacked pool, in place."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,10 @@ from hypothesis import strategies as st
 from pallas_kernels.cpu_attention import (
     paged_attention_available,
     paged_decode,
+    paged_kv_write,
     paged_prefill,
 )
+from pallas_kernels.kv_write import ref_write_kv
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 
 pytestmark = pytest.mark.skipif(not paged_attention_available()[0],
@@ -145,3 +149,63 @@ def test_loading_the_handler_keeps_subnormals():
     tiny = np.finfo(np.float32).smallest_subnormal
     assert tiny * np.float32(3.0) > 0  # denormals-are-zero would read tiny as 0
     assert np.float32(1e-38) / np.float32(100.0) > 0  # flush-to-zero would drop this
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kv_write_matches_the_oracle_on_its_layer_only(dtype):
+    """Rows land in their slots of the one layer named; padding (negative slots, slots past
+    the layer's end) writes nothing; every other layer is untouched."""
+    rng = np.random.default_rng(5)
+    layers, pages, ps, hkv, d, t = 3, 6, 16, 3, 64, 37
+    pool = jnp.asarray(rng.standard_normal((layers, pages, ps, hkv, d)), dtype)
+    rows = jnp.asarray(rng.standard_normal((t, hkv, d)), dtype)
+    slots = rng.permutation(pages * ps)[:t].astype(np.int32)
+    slots[::5] = -3
+    slots[1::7] = pages * ps + 2
+    before = np.asarray(pool)
+    out = np.asarray(jax.jit(paged_kv_write)(pool, 1, rows, slots))  # slots: ps per page
+    want, _ = ref_write_kv(before[1], before[1], np.asarray(rows), np.asarray(rows), slots)
+    np.testing.assert_array_equal(out[1], want)
+    np.testing.assert_array_equal(out[[0, 2]], before[[0, 2]])
+
+
+def test_kv_write_updates_a_carried_pool_in_place():
+    """Carried through a scan over layers and donated, the pool is written where it lies:
+    the compiled step holds no copy of the pool and the result equals layer-by-layer
+    scatters (XLA's own, an independent form)."""
+    rng = np.random.default_rng(6)
+    layers, slots_per_layer, hkv, d, t = 4, 64, 2, 16, 5
+    pool = jnp.asarray(rng.standard_normal((layers, slots_per_layer, hkv, d)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((layers, t, hkv, d)), jnp.float32)
+    slots = np.array([3, -1, 63, 0, 17], np.int32)
+
+    def write_all(write, pool, rows):
+        def body(pool, layer):
+            return write(pool, layer, rows[layer]), None
+        return jax.lax.scan(body, pool, jnp.arange(layers, dtype=jnp.int32))[0]
+
+    def by_xla(pool, layer, new):
+        return pool.at[layer, jnp.where(slots >= 0, slots, slots_per_layer)].set(
+            new, mode="drop")
+
+    want = jax.jit(lambda p, r: write_all(by_xla, p, r))(pool, rows)
+    step = jax.jit(lambda p, r: write_all(lambda *a: paged_kv_write(*a, slots), p, r),
+                   donate_argnums=0)
+    hlo = step.lower(pool, rows).compile().as_text()
+    pool_shape = f"f32[{layers},{slots_per_layer},{hkv},{d}]"
+    assert not re.search(re.escape(pool_shape) + r"\{[\d,]*\} copy(-start)?\(", hlo)
+    got = step(pool, rows)
+    assert pool.is_deleted()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_kv_write_refuses_rows_that_do_not_fit_the_pool():
+    pool = jnp.zeros((2, 8, 2, 4), jnp.float32)
+    with pytest.raises(ValueError, match="do not fit the pool"):
+        paged_kv_write(pool, 0, jnp.zeros((3, 2, 5), jnp.float32), np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="do not fit the pool"):
+        paged_kv_write(pool, 0, jnp.zeros((3, 3, 4), jnp.float32), np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="do not fit the pool"):
+        paged_kv_write(pool, 0, jnp.zeros((3, 2, 4), jnp.bfloat16), np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"\(2,\) slots for 3 rows"):
+        paged_kv_write(pool, 0, jnp.zeros((3, 2, 4), jnp.float32), np.zeros(2, np.int32))

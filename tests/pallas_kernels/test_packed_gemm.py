@@ -1,6 +1,7 @@
 """The packed-weight GEMM (an XLA FFI call) equals numpy's float64 product of the same layer
 for every kernel (AVX-512, AVX2, plain vectors), row count, panel remainder and K block;
-packing round-trips; what it cannot do is refused by name."""
+packing round-trips; the gated form equals numpy's silu(x @ gate) * (x @ up); what it
+cannot do is refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.cpu_gemm import (
     PANEL,
+    pack_gated,
     pack_weight,
     packed_gemm_available,
     packed_matmul,
@@ -24,6 +26,9 @@ pytestmark = pytest.mark.skipif(not packed_gemm_available()[0],
 RNG = np.random.default_rng(0)
 ISAS = ["", "avx2", "generic"]  # "": the host's widest kernel
 _matmul = jax.jit(packed_matmul, static_argnums=3)
+_gated = jax.jit(lambda x, wp, layer, n, rows=None: packed_matmul(x, wp, layer, n, rows,
+                                                                 gated=True),
+                 static_argnums=3)
 
 
 def _rand(*shape):
@@ -149,3 +154,56 @@ def test_what_it_cannot_do_is_refused():
         packed_matmul(_rand(2, 8), wp, 0, 70)
     with pytest.raises(ValueError, match="must be packed"):
         packed_matmul(_rand(2, 8), jnp.ones((2, 8, 40)), 0, 40)
+
+
+def _silu_mul_oracle(x, gate, up):
+    """numpy, float64: (silu(x @ gate) * (x @ up), a bound on an fp32 product's error from
+    its sums' rounding: ~1e-6 of each sum's absolute terms, carried through silu * up)."""
+    x64, g64, u64 = (a.astype(np.float64) for a in (x, gate, up))
+    g, u = x64 @ g64, x64 @ u64
+    silu = g * np.exp(-np.logaddexp(0.0, -g))  # sigmoid without overflow
+    g_err, u_err = 1e-6 * (abs(x64) @ abs(g64)), 1e-6 * (abs(x64) @ abs(u64))
+    return silu * u, 1.1 * abs(u) * g_err + abs(silu) * u_err  # |silu'| <= 1.1
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("m", "k", "n", "block_kib"), [
+    (1, 48, 32, ""), (16, 300, 96, ""), (33, 520, 70, ""),  # partial last panel, 3 K blocks
+    (75, 300, 45, "25"),  # row blocks of 24 and a short one
+])
+def test_gated_matches_numpy(m, k, n, block_kib, isa, monkeypatch):
+    """The gated handler on ``pack_gated``'s interleaved panels, for every layer and kernel,
+    large gate values of both signs included (SiLU's tails: -> 0 and -> x)."""
+    monkeypatch.setenv("CONFLUX_GEMM_ISA", isa)
+    monkeypatch.setenv("CONFLUX_GEMM_XBLOCK_KB", block_kib)
+    gate, up, x = _rand(2, k, n), _rand(2, k, n), _rand(m, k)
+    gate[:, :, :3] *= 40.0  # pre-activations in the hundreds: exp's clamp and underflow
+    wp = jnp.asarray(pack_gated(gate, up))
+    assert wp.shape == (2, 2 * -(-n // PANEL), k, PANEL)
+    for layer in range(2):
+        got = np.asarray(_gated(x, wp, jnp.int32(layer), n))
+        want, err = _silu_mul_oracle(x, gate[layer], up[layer])
+        assert got.shape == want.shape
+        assert (abs(got - want) <= err + 1e-6 * abs(want) + 1e-30).all()
+
+
+def test_gated_live_rows_and_the_jnp_form():
+    """Padding rows come out zero (NaN in x included); packed_matmul_xla's gated form is the
+    same product."""
+    gate, up, x = _rand(40, 70), _rand(40, 70), _rand(9, 40)
+    x[6:] = np.nan
+    wp = jnp.asarray(pack_gated(gate, up))
+    got = np.asarray(_gated(x, wp, jnp.int32(0), 70, jnp.int32(6)))
+    want, err = _silu_mul_oracle(x[:6], gate, up)
+    assert (abs(got[:6] - want) <= err + 1e-6 * abs(want) + 1e-30).all()
+    np.testing.assert_array_equal(got[6:], 0.0)
+    by_xla = np.asarray(packed_matmul_xla(x[:6], wp, 0, 70, gated=True))
+    assert (abs(by_xla - want) <= err + 1e-6 * abs(want) + 1e-30).all()
+
+
+def test_gated_shapes_are_checked():
+    wp = jnp.asarray(pack_gated(_rand(8, 40), _rand(8, 40)))  # 2 x 2 panels
+    with pytest.raises(ValueError, match="do not fill 4 panels of 32 \\(gated"):
+        packed_matmul(_rand(2, 8), wp, 0, 70, gated=True)
+    with pytest.raises(ValueError, match="one shape"):
+        pack_gated(_rand(8, 40), _rand(8, 41))
