@@ -55,7 +55,12 @@ from conflux_jax.executor.mesh import SP, TP
 from conflux_jax.models.decoder import Decoder
 from conflux_jax.models.params import Params, layers_unstacked
 from conflux_jax.sampling import LogitAdjustments, sample
-from pallas_kernels.cpu_attention import paged_decode, paged_kv_write, paged_prefill
+from pallas_kernels.cpu_attention import (
+    paged_copy_pages,
+    paged_decode,
+    paged_kv_write,
+    paged_prefill,
+)
 from pallas_kernels.ragged_paged_attention import (
     combine_kv,
     ragged_paged_attention,
@@ -178,12 +183,21 @@ def _rank_forward(cfg: StepConfig, params: Params, kv_pools: tuple[jax.Array, ..
 
             qa = to_heads(q)
             rows = tuple(to_heads(a) for a in pool_rows(k, v))
-            if x_groups:
+            # One rank on the CPU: loads and transfers are page copies within the pool.
+            copy_pages = x_groups and cpu_kv and n == 1
+            if copy_pages:
+                kv = tuple(paged_copy_pages(pool, layer, b.load_src, 0, b.load_dst,
+                                            meta.load_count[0]) for pool in kv)
+            elif x_groups:
                 kv = tuple(_load_cached(pool, layer, base, b, meta, view, cpu_kv)
                            for pool in kv)
             kv = tuple(_write_stacked(pool, layer, r, b.prefill_slot, view, cpu_kv)
                        for pool, r in zip(kv, rows, strict=True))
-            if x_groups:
+            if copy_pages:
+                kv = tuple(paged_copy_pages(pool, layer, b.transfer_src, meta.transfer_start[0],
+                                            b.transfer_dst, meta.transfer_count[0])
+                           for pool in kv)
+            elif x_groups:
                 kv = tuple(_transfer(_layers_as_pages(pool, view), pool, layer, base, b, meta)
                            for pool in kv)
         idx = jnp.minimum(b.decode_index, t - 1)

@@ -185,27 +185,32 @@ class Decoder(nnx.Module):
                 k = norm(k, "k_norm")
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
+            def plus_linear(h: jax.Array, a: jax.Array, name: str) -> jax.Array:
+                """h + a @ w (all-reduced): the packed GEMM sums into h's buffer itself."""
+                if packed and tp_axis is None:
+                    return lin(a, name, h)
+                return h + _all_reduce(lin(a, name), tp_axis)
+
             o, kv = attend(layer, q, k, v, kv)
-            attn_out = lin(o.reshape(*o.shape[:-2], -1), "wo")
-            h = h + _all_reduce(attn_out, tp_axis)
+            h = plus_linear(h, o.reshape(*o.shape[:-2], -1), "wo")
             m = norm(h, "mlp_norm")
             gated = lin(m, "w_gate_up") if packed else \
                 jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up")
-            ffn = lin(gated, "w_down")
-            h = h + _all_reduce(ffn, tp_axis)
+            h = plus_linear(h, gated, "w_down")
             return h, kv
 
-        def packed_linear(a: jax.Array, w: jax.Array, layer: jax.Array | int,
-                          name: str) -> jax.Array:
+        def packed_linear(a: jax.Array, w: jax.Array, layer: jax.Array | int, name: str,
+                          residual: jax.Array | None = None) -> jax.Array:
             return packed_matmul(a, w, layer, out_features[name], live_rows,
-                                 gated=name in GATED_LINEARS).astype(a.dtype)
+                                 gated=name in GATED_LINEARS, residual=residual)
 
         if unrolled:
             carry = (x, kv)
             for i, layer_weights in enumerate(self.layers):
                 weights = layer_weights.weights()  # this layer's own arrays
                 carry = block(carry, i, weights.__getitem__,
-                              (lambda a, name, w=weights: packed_linear(a, w[name], 0, name))
+                              (lambda a, name, res=None, w=weights:
+                               packed_linear(a, w[name], 0, name, res))
                               if packed else (lambda a, name, w=weights: linear(a, w[name])))
             return carry
 
@@ -215,9 +220,9 @@ class Decoder(nnx.Module):
         def scanned(carry, layer):
             # Every weight stays stacked, a loop constant: OpenBLAS reads its layer in place;
             # the rest take theirs by ``[layer]`` (what scanning the weights would slice).
-            def lin(a: jax.Array, name: str) -> jax.Array:
+            def lin(a: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
                 if packed:
-                    return packed_linear(a, stacked[name], layer, name)
+                    return packed_linear(a, stacked[name], layer, name, residual)
                 if blas and BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
                     return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
                 return linear(a, stacked[name][layer])

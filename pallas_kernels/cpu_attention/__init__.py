@@ -2,9 +2,11 @@
 
 from pallas_kernels.cpu_attention.paged_attention import (
     paged_attention_available,
+    paged_copy_pages,
     paged_decode,
     paged_kv_write,
     paged_prefill,
 )
 
-__all__ = ["paged_attention_available", "paged_decode", "paged_kv_write", "paged_prefill"]
+__all__ = ["paged_attention_available", "paged_copy_pages", "paged_decode", "paged_kv_write",
+           "paged_prefill"]

@@ -10,7 +10,9 @@ SmolLM2's shapes that costs several times what reading the KV once does. Two C++
   tokens of a run times the query heads of one KV head) against blocks of keys with an
   online softmax;
 - ``paged_kv_write``: a step's new K or V rows into their slots of one layer of the
-  stacked pool, in place (one copy per row, where XLA's scatter walks index by index).
+  stacked pool, in place (one copy per row, where XLA's scatter walks index by index);
+- ``paged_copy_pages``: pages of one layer copied onto others, in place (one rank's KV
+  transfers and prefix-cache loads).
 
 The library is built on first use with the system C++ compiler into the kernel cache of
 ``pallas_kernels.cpu_gemm`` (for each of AVX-512, AVX2 and plain x86-64; the loader picks
@@ -39,11 +41,13 @@ from pallas_kernels.cpu_gemm.stacked_gemm import (
     loads,
 )
 
-__all__ = ["paged_attention_available", "paged_decode", "paged_kv_write", "paged_prefill"]
+__all__ = ["paged_attention_available", "paged_copy_pages", "paged_decode", "paged_kv_write",
+           "paged_prefill"]
 
 DECODE_TARGET = "conflux_paged_decode"
 PREFILL_TARGET = "conflux_paged_prefill"
 KV_WRITE_TARGET = "conflux_paged_kv_write"
+COPY_PAGES_TARGET = "conflux_paged_copy_pages"
 _SOURCE = Path(__file__).with_name("paged_attention.cc")
 
 # No -ffast-math: GCC 12 then links crtfastmath, whose constructor flushes subnormals to
@@ -56,7 +60,8 @@ _FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pth
 def _load() -> ctypes.CDLL:
     for symbol, target in (("ConfluxPagedDecode", DECODE_TARGET),
                            ("ConfluxPagedPrefill", PREFILL_TARGET),
-                           ("ConfluxPagedKvWrite", KV_WRITE_TARGET)):
+                           ("ConfluxPagedKvWrite", KV_WRITE_TARGET),
+                           ("ConfluxPagedCopyPages", COPY_PAGES_TARGET)):
         handle = load_handler(_SOURCE, symbol, target, [jax.ffi.include_dir()], _FLAGS,
                               headers=(PARALLEL_HEADER, MATH_HEADER))
     return handle
@@ -129,6 +134,31 @@ def paged_kv_write(
                             input_output_aliases={0: 0})
     return call(pool, jnp.asarray(layer, jnp.int32).reshape(1), rows,
                 jnp.asarray(slots, jnp.int32))
+
+
+def paged_copy_pages(
+    pool: jax.Array,  # [L, P, ...]
+    layer: jax.Array | int,  # i32[] the layer copied within
+    src: jax.Array,  # i32[X] source page ids
+    start: jax.Array | int,  # i32[] the first entry of src used
+    dst: jax.Array,  # i32[Y] destination page ids
+    count: jax.Array | int,  # i32[] pages copied: src[start + j] -> dst[j], j < count
+) -> jax.Array:  # the pool with the pages copied
+    """Pages of one layer of ``pool`` copied onto others by the C++ handler
+    (``paged_attention_available`` must hold), in place as ``paged_kv_write``. A page id
+    outside ``[0, P)`` copies nothing (padding); ``count`` is clipped to the entries
+    given. Destinations must be distinct and not among the sources."""
+    if pool.ndim < 2:
+        raise ValueError(f"paged_copy_pages: the pool must be [L, P, ...], got {pool.shape}")
+    _load()
+    call = jax.ffi.ffi_call(COPY_PAGES_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0})
+
+    def scalar(a: jax.Array | int) -> jax.Array:
+        return jnp.asarray(a, jnp.int32).reshape(1)
+
+    return call(pool, scalar(layer), jnp.asarray(src, jnp.int32), scalar(start),
+                jnp.asarray(dst, jnp.int32), scalar(count))
 
 
 def _call(target: str, name: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

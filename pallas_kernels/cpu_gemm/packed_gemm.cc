@@ -45,6 +45,7 @@ struct Problem {
   float* out;      // f32[M, n]
   int64_t m, k, n, panels;  // panels: output panels (a gated product reads two each)
   bool gated;      // out = silu(x @ gate) * (x @ up), their panels interleaved in w
+  bool add;        // out = residual + x @ w: out holds the residual (aliased) on entry
 };
 
 }  // namespace
@@ -114,15 +115,17 @@ struct Problem {
     return r == 0 ? 1 : r == kMaxRows ? 2 : 0;                                             \
   }                                                                                        \
                                                                                            \
-  /* out[0:rn, 0:32] (row stride ldo) = x[0:rn] @ panel, x's rows k apart. */            \
+  /* out[0:rn, 0:32] (row stride ldo) = x[0:rn] @ panel, x's rows k apart; added to what
+     out holds when ``add``. */                                                            \
   void PanelProduct(const float* x, int64_t k, int64_t rn, const float* panel, float* out,  \
-                    int64_t ldo) {                                                         \
+                    int64_t ldo, bool add = false) {                                       \
     for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {                                          \
       const int64_t kn = std::min(kKBlock, k - k0);                                        \
       for (int64_t c = 0; c < kPanel; c += kTileCols) {                                    \
         for (int64_t r = 0; r < rn; r += kMaxRows) {                                       \
           Rows<kMaxRows>(std::min<int64_t>(kMaxRows, rn - r), x + r * k + k0, k,           \
-                         panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo, k0 == 0,     \
+                         panel + k0 * kPanel + c, kn, out + r * ldo + c, ldo,              \
+                         k0 == 0 && !add,                                                  \
                          c != 0 ? 0 : StreamLines(rn, r));                                 \
         }                                                                                  \
       }                                                                                    \
@@ -163,10 +166,13 @@ struct Problem {
         } else if (cols < kPanel) {  /* the last panel, n not a multiple of 32 */         \
           tile.resize(rn * kPanel);                                                        \
           PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, tile.data(), kPanel);         \
-          for (int64_t r = 0; r < rn; ++r)                                                 \
-            std::memcpy(out + r * pr.n, tile.data() + r * kPanel, cols * sizeof(float));   \
+          for (int64_t r = 0; r < rn; ++r) {                                               \
+            const float* t = tile.data() + r * kPanel;                                     \
+            float* o = out + r * pr.n;                                                     \
+            for (int64_t c = 0; c < cols; ++c) o[c] = pr.add ? o[c] + t[c] : t[c];         \
+          }                                                                                \
         } else {                                                                           \
-          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, out, pr.n);                   \
+          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, out, pr.n, pr.add);           \
         }                                                                                  \
       }                                                                                    \
     }                                                                                      \
@@ -237,12 +243,17 @@ int64_t RowBlock(int64_t k, int64_t m) {
   return std::max<int64_t>(least, (rows + 7) / 8 * 8);
 }
 
-// Both handlers: x f32[M, K], w f32[L, W, K, 32] (W weight panels: P, or 2P gated),
-// layer i32[1], rows i32[1] -> out f32[M, n], P = ceil(n / 32) output panels.
-template <bool kGated>
-ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
-                      ffi::ResultBuffer<ffi::F32> out) {
+// The handlers: x f32[M, K], w f32[L, W, K, 32] (W weight panels: P, or 2P gated),
+// layer i32[1], rows i32[1] (, residual f32[M, n] aliased to out) -> out f32[M, n],
+// P = ceil(n / 32) output panels.
+enum class Form { kPlain, kGated, kResidual };
+
+template <Form kForm>
+ffi::Error PackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> rows, const float* residual,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  constexpr bool kGated = kForm == Form::kGated, kAdd = kForm == Form::kResidual;
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto od = out->dimensions();
@@ -252,21 +263,24 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   const int64_t weight_panels = wd[1];
   Problem pr{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], od[1],
-             kGated ? weight_panels / 2 : weight_panels, kGated};
+             kGated ? weight_panels / 2 : weight_panels, kGated, kAdd};
   if (wd[2] != pr.k || od[0] != pr.m || pr.n > pr.panels * kPanel ||
       pr.n <= (pr.panels - 1) * kPanel || (kGated && weight_panels % 2)) {
     return ffi::Error::InvalidArgument("packed_gemm: inconsistent shapes");
   }
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed_gemm: layer out of range");
+  // XLA keeps the alias unless it had to copy the residual to keep it: then copy it in.
+  if (kAdd && residual != pr.out) std::memcpy(pr.out, residual, sizeof(float) * pr.m * pr.n);
   const int64_t live = std::clamp<int64_t>(rows.typed_data()[0], 0, pr.m);
-  std::memset(pr.out + live * pr.n, 0, sizeof(float) * (pr.m - live) * pr.n);
+  // Padding rows: zero, or the residual as it came.
+  if (!kAdd) std::memset(pr.out + live * pr.n, 0, sizeof(float) * (pr.m - live) * pr.n);
   pr.m = live;
   const PanelsFn panels_fn = HostPanels(pr.m);
   if (pr.m == 0 || pr.n == 0) return ffi::Error::Success();
   pr.w = w.typed_data() + static_cast<int64_t>(l) * weight_panels * pr.k * kPanel;
-  if (pr.k == 0) {  // silu(0) * 0 = 0 too
-    std::memset(pr.out, 0, sizeof(float) * pr.m * pr.n);
+  if (pr.k == 0) {  // silu(0) * 0 = 0 too; a residual stays
+    if (!kAdd) std::memset(pr.out, 0, sizeof(float) * pr.m * pr.n);
     return ffi::Error::Success();
   }
   const int64_t total = weight_panels * pr.k * kPanel * (pr.m + 4);
@@ -279,19 +293,45 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+template <Form kForm>
+ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  return PackedGemmImpl<kForm>(pool, x, w, layer, rows, nullptr, out);
+}
+
+ffi::Error PackedGemmResidual(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> residual,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  if (residual.dimensions().size() != 2 || out->dimensions().size() != 2 ||
+      residual.dimensions()[0] != out->dimensions()[0] ||
+      residual.dimensions()[1] != out->dimensions()[1]) {
+    return ffi::Error::InvalidArgument("packed_gemm: the residual must be f32[M, n]");
+  }
+  return PackedGemmImpl<Form::kResidual>(pool, x, w, layer, rows, residual.typed_data(), out);
+}
+
 auto PackedGemmBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()  // x
       .Arg<ffi::Buffer<ffi::F32>>()  // w packed
       .Arg<ffi::Buffer<ffi::S32>>()  // layer
-      .Arg<ffi::Buffer<ffi::S32>>()  // rows: live rows of x
-      .Ret<ffi::Buffer<ffi::F32>>();
+      .Arg<ffi::Buffer<ffi::S32>>();  // rows: live rows of x
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm<false>, PackedGemmBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm<Form::kPlain>,
+                              PackedGemmBinding().Ret<ffi::Buffer<ffi::F32>>());
 // silu(x @ gate) * (x @ up) (a SwiGLU MLP's first half) in one pass: the gate and up
 // panels of each 32 output columns interleaved in w.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmGated, PackedGemm<true>, PackedGemmBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmGated, PackedGemm<Form::kGated>,
+                              PackedGemmBinding().Ret<ffi::Buffer<ffi::F32>>());
+// residual + x @ w into the residual's buffer (aliased to out): a block's residual add
+// without a pass of its own over the [M, n] activations.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmResidual, PackedGemmResidual,
+                              PackedGemmBinding()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -43,6 +43,7 @@ __all__ = ["PANEL", "pack_gated", "pack_weight", "packed_gemm_available", "packe
 PANEL = 32  # output columns of a panel (the kernel's kPanel)
 TARGET = "conflux_packed_gemm"
 GATED_TARGET = "conflux_packed_gemm_gated"
+RESIDUAL_TARGET = "conflux_packed_gemm_residual"
 _SOURCE = Path(__file__).with_name("packed_gemm.cc")
 # -std=c++17 turns FMA contraction off; the kernel's multiply-adds are written to be fused.
 # The gated store's exp vectorizes only without errno and traps (see cpu_attention).
@@ -52,8 +53,9 @@ _FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno",
 
 @functools.cache
 def _load() -> ctypes.CDLL:
-    for symbol, target in (("ConfluxPackedGemm", TARGET), ("ConfluxPackedGemmGated",
-                                                           GATED_TARGET)):
+    for symbol, target in (("ConfluxPackedGemm", TARGET),
+                           ("ConfluxPackedGemmGated", GATED_TARGET),
+                           ("ConfluxPackedGemmResidual", RESIDUAL_TARGET)):
         handle = load_handler(_SOURCE, symbol, target, [jax.ffi.include_dir()], _FLAGS,
                               headers=(PARALLEL_HEADER, MATH_HEADER))
     return handle
@@ -116,24 +118,37 @@ def packed_matmul(
     n: int,  # output columns (P = ceil(n / 32); 2P panels when gated)
     rows: jax.Array | int | None = None,  # i32[] live rows of x flattened; None: all
     gated: bool = False,  # wp from pack_gated: silu(x @ gate) * (x @ up)
+    residual: jax.Array | None = None,  # f32[..., n]: residual + x @ w, in its buffer
 ) -> jax.Array:  # f32[..., n]
     """``x @ w[layer]`` on packed ``w`` by the C++ handler, reading the layer in place
     (``packed_gemm_available`` must hold). With ``rows``, only the first ``rows`` rows of
     ``x`` (its leading axes flattened) are multiplied and the others come out zero: a step
     padded to its bucket spends no FLOPs on its padding. ``gated``: a SwiGLU MLP's
-    ``silu(x @ gate) * (x @ up)`` in one call, on ``pack_gated``'s interleaved panels."""
+    ``silu(x @ gate) * (x @ up)`` in one call, on ``pack_gated``'s interleaved panels.
+    ``residual``: ``residual + x @ w``, summed into the residual's buffer (aliased to the
+    result, so no pass of its own over it); the rows past ``rows`` are the residual's."""
     if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
         raise ValueError(f"packed_matmul is fp32 only, got {x.dtype} @ {wp.dtype}")
     _check(x, wp, n, gated)
+    lead = x.shape[:-1]
+    if residual is not None:
+        if gated:
+            raise ValueError("packed_matmul: a gated product takes no residual")
+        if residual.shape != (*lead, n) or residual.dtype != jnp.float32:
+            raise ValueError(f"packed_matmul: the residual must be f32{[*lead, n]}, got "
+                             f"{residual.dtype}{list(residual.shape)}")
     _load()
     if wp.ndim == 3:
         wp = wp[None]
-    lead = x.shape[:-1]
     m = math.prod(lead)
     live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
-    call = jax.ffi.ffi_call(GATED_TARGET if gated else TARGET,
-                            jax.ShapeDtypeStruct((m, n), jnp.float32))
-    out = call(x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live)
+    args = (x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live)
+    result = jax.ShapeDtypeStruct((m, n), jnp.float32)
+    if residual is not None:
+        call = jax.ffi.ffi_call(RESIDUAL_TARGET, result, input_output_aliases={4: 0})
+        out = call(*args, residual.reshape(m, n))
+    else:
+        out = jax.ffi.ffi_call(GATED_TARGET if gated else TARGET, result)(*args)
     return out.reshape(*lead, n)
 
 

@@ -2,7 +2,8 @@
 attention: decode calls and ragged prefill calls (fresh prompts, chunks after history, one
 token, several key blocks), GQA, unequal lengths over scattered pages, padding rows and
 slots past ``num_seqs``, empty sequences, page ids past the pool; fp32 only. The KV write
-handler equals the numpy oracle of ``write_kv`` on one layer of a stacked pool, in place."""
+handler equals the numpy oracle of ``write_kv`` on one layer of a stacked pool, in place; the
+page copy handler equals copying pages one by one in numpy."""
 
 import math
 import re
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.cpu_attention import (
     paged_attention_available,
+    paged_copy_pages,
     paged_decode,
     paged_kv_write,
     paged_prefill,
@@ -209,3 +211,18 @@ def test_kv_write_refuses_rows_that_do_not_fit_the_pool():
         paged_kv_write(pool, 0, jnp.zeros((3, 2, 4), jnp.bfloat16), np.zeros(3, np.int32))
     with pytest.raises(ValueError, match=r"\(2,\) slots for 3 rows"):
         paged_kv_write(pool, 0, jnp.zeros((3, 2, 4), jnp.float32), np.zeros(2, np.int32))
+
+
+def test_copy_pages_copies_the_counted_pages_of_one_layer():
+    """src[start + j] -> dst[j] for j < count, on the layer named only; padding ids (past
+    the pool, negative) and entries past count copy nothing."""
+    rng = np.random.default_rng(7)
+    pool = rng.standard_normal((3, 10, 4, 2, 8)).astype(np.float32)
+    src = np.array([9, 1, 2, 3, 4, 0], np.int32)
+    dst = np.array([5, 6, 10, -1, 7], np.int32)  # 10 and -1: padding
+    want = pool.copy()
+    for j in range(4):  # count 4 from start 1: 1 -> 5, 2 -> 6; 3 and 4 go nowhere
+        if 0 <= dst[j] < 10:
+            want[2, dst[j]] = pool[2, src[1 + j]]
+    got = jax.jit(paged_copy_pages)(jnp.asarray(pool), 2, src, 1, dst, 4)
+    np.testing.assert_array_equal(np.asarray(got), want)

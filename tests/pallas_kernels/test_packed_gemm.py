@@ -207,3 +207,26 @@ def test_gated_shapes_are_checked():
         packed_matmul(_rand(2, 8), wp, 0, 70, gated=True)
     with pytest.raises(ValueError, match="one shape"):
         pack_gated(_rand(8, 40), _rand(8, 41))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("m", "k", "n", "live"), [(1, 48, 32, 1), (16, 300, 70, 16),
+                                                   (33, 520, 96, 20)])
+def test_residual_is_summed_in_place(m, k, n, live, isa, monkeypatch):
+    """residual + x @ w (numpy's float64 sum as the oracle), partial panel and K blocks
+    included; rows past ``rows`` keep the residual; inside a jit the residual's buffer
+    becomes the result (no copy of it)."""
+    monkeypatch.setenv("CONFLUX_GEMM_ISA", isa)
+    w, x, res = _rand(2, k, n), _rand(m, k), _rand(m, n)
+    x[live:] = np.nan
+    fn = jax.jit(lambda x, wp, r: packed_matmul(x, wp, 1, n, live, residual=r),
+                 donate_argnums=2)
+    wp, r = jnp.asarray(pack_weight(w)), jnp.asarray(res)
+    hlo = fn.lower(x, wp, r).compile().as_text()
+    got = np.asarray(fn(x, wp, r))
+    assert r.is_deleted() and f"f32[{m},{n}]{{1,0}} copy(" not in hlo
+    want = res.astype(np.float64)
+    want[:live] += x[:live].astype(np.float64) @ w[1].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(k))
+    with pytest.raises(ValueError, match="the residual must be f32"):
+        packed_matmul(x, wp, 1, n, residual=jnp.zeros((m, n + 1)))
