@@ -139,10 +139,11 @@ class Decoder(nnx.Module):
         (fp32 on the CPU) runs the linears of ``BLAS_MIN_ROWS..BLAS_MAX_ROWS`` rows as
         OpenBLAS calls that read the layer in place instead (``pallas_kernels.cpu_gemm``);
         ``linears="packed"`` runs every linear on the packed-weight GEMM, which also reads
-        the layer in place, on weights ``models.params.pack_linears`` packed; given
-        ``live_rows`` it multiplies only x's first ``live_rows`` rows (leading axes
-        flattened) and leaves the padding rows after them zero (other routes compute
-        every row). Weights held per layer run unrolled, ``layer`` a Python int: every
+        the layer in place, on weights ``models.params.pack_linears`` packed, with the
+        SwiGLU applied inside the gate/up GEMM and the residual adds summed into the O and
+        down GEMMs' outputs; given ``live_rows`` it multiplies only x's first
+        ``live_rows`` rows (leading axes flattened) and leaves the padding rows after them
+        zero (other routes compute every row). Weights held per layer run unrolled, ``layer`` a Python int: every
         matmul reads its own weight array, at the price of a program L times longer to
         compile.
         """
