@@ -403,9 +403,11 @@ class JaxExecutor:
                 attention_impl=self.attention_impl, linears=self.linears,
                 decode_attention=self.decode_attention,
                 prefill_attention=self.prefill_attention, kv_layout=self.kv_layout,
-                # The CPU handlers' library writes the KV too, wherever it attends.
+                # The CPU handlers' library writes the KV too, wherever it attends, on
+                # stacked layers: unrolled ones hand it the step's pool argument, which XLA
+                # then copies around each in-place call (so it does around its own scatter).
                 kv_write="cpu" if "cpu" in (self.decode_attention, self.prefill_attention)
-                else "xla",
+                and self.layer_weights == "stacked" else "xla",
                 replicate_samples=self.process_count > 1)
 
         def layout(num_pages: int) -> BatchLayout:

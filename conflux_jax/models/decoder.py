@@ -143,9 +143,9 @@ class Decoder(nnx.Module):
         SwiGLU applied inside the gate/up GEMM and the residual adds summed into the O and
         down GEMMs' outputs; given ``live_rows`` it multiplies only x's first
         ``live_rows`` rows (leading axes flattened) and leaves the padding rows after them
-        zero (other routes compute every row). Weights held per layer run unrolled, ``layer`` a Python int: every
-        matmul reads its own weight array, at the price of a program L times longer to
-        compile.
+        zero (other routes compute every row). Weights held per layer run unrolled,
+        ``layer`` a Python int: every matmul reads its own weight array, at the price of a
+        program L times longer to compile.
         """
         if linears not in LINEARS:
             raise ValueError(f"linears must be one of {LINEARS}, got {linears!r}")

@@ -35,6 +35,9 @@ def test_step_updates_the_pool_in_place(mesh: str, kv_layout: str) -> None:
                         kv_layout=kv_layout)
     ex = JaxExecutor(TINY_LLAMA, params, ec)
     assert len(ex.kv_pools) == (1 if kv_layout == "combined" else 2)
+    # Where the CPU's handlers attend, they write the KV too: in place is checked for them.
+    cpu = "cpu" in (ex.step_config.decode_attention, ex.step_config.prefill_attention)
+    assert ex.step_config.kv_write == ("cpu" if cpu else "xla")
     # one device's pools, each f[1, L, pages, ...]; "pool-sized" = one of K or V's size
     local = [pool.addressable_shards[0].data for pool in ex.kv_pools]
     kv_size = sum(a.size for a in local) // 2
@@ -66,6 +69,9 @@ def test_per_layer_weights_reach_the_matmuls_uncopied(layer_weights: str) -> Non
                                              transfer=(4,), max_prefill_seqs=2))
     ex = JaxExecutor(c, random_params(c, seed=1, scale=0.2), ec)
     assert ex.layer_weights == layer_weights
+    # Unrolled layers keep XLA's KV scatter: the CPU handler's in-place write would be
+    # handed the step's pool argument and copied around (stacked: see above).
+    assert ex.step_config.kv_write == ("xla" if layer_weights == "per_layer" else "cpu")
     for shape in (ex.planner.shape_for(0, 3, 3, 4),  # decode only
                   ex.planner.shape_for(5, 2, 7, 4, transfer_max=2)):  # prefill + transfer
         ex.compile_shape(shape)
