@@ -186,6 +186,7 @@ class Decoder(nnx.Module):
                 k = norm(k, "k_norm")
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
+
             def plus_linear(h: jax.Array, a: jax.Array, name: str) -> jax.Array:
                 """h + a @ w (all-reduced): the packed GEMM sums into h's buffer itself."""
                 if packed and tp_axis is None:

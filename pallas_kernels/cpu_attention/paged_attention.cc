@@ -588,6 +588,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPagedPrefill, PagedPrefill,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale"));
 
+// Out's bytes of layer ``layer`` of the pool, once out holds the pool: XLA aliases out to
+// the pool unless it had to copy the pool to keep the alias (then out is fresh and gets
+// the pool first). Null for a layer out of range.
+static char* WrittenLayer(const ffi::AnyBuffer& pool, ffi::Result<ffi::AnyBuffer>& out,
+                          int32_t layer) {
+  const int64_t num_layers = pool.dimensions()[0];
+  if (layer < 0 || layer >= num_layers) return nullptr;
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pool.untyped_data()) std::memcpy(dst, pool.untyped_data(), pool.size_bytes());
+  return dst + static_cast<int64_t>(layer) * (pool.size_bytes() / num_layers);
+}
+
 // pool [L, ...] aliased to the output, each layer's elements taken as S slots of one row
 // of ``rows`` [T, ...] each; layer i32[1]; slots i32[T]. Row t lands in slot slots[t] of
 // layer ``layer``; a slot outside [0, S) (padding) writes nothing. The pool keeps its own
@@ -605,24 +617,18 @@ static ffi::Error PagedKvWrite(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument(
         "paged_kv_write: pool must be [L, ...], rows [T, ...] of its dtype, slots i32[T]");
   }
-  const int64_t num_layers = pd[0], t = rd[0];
-  const int64_t layer_bytes = num_layers ? pool.size_bytes() / num_layers : 0;
-  const int64_t row_bytes = t ? static_cast<int64_t>(rows.size_bytes()) / t : 0;
+  char* base = WrittenLayer(pool, out, layer.typed_data()[0]);
+  if (base == nullptr) return ffi::Error::InvalidArgument("paged_kv_write: layer out of range");
+  const int64_t t = rd[0];
   if (t == 0) return ffi::Error::Success();
+  const int64_t layer_bytes = pool.size_bytes() / pd[0];
+  const int64_t row_bytes = static_cast<int64_t>(rows.size_bytes()) / t;
   if (row_bytes == 0 || layer_bytes % row_bytes) {
     return ffi::Error::InvalidArgument("paged_kv_write: a layer is not whole rows");
   }
   const int64_t num_slots = layer_bytes / row_bytes;
-  const int32_t l = layer.typed_data()[0];
-  if (l < 0 || l >= num_layers) {
-    return ffi::Error::InvalidArgument("paged_kv_write: layer out of range");
-  }
-  char* dst = static_cast<char*>(out->untyped_data());
-  // XLA keeps the alias unless it had to copy the pool to keep it (then out is fresh).
-  if (dst != pool.untyped_data()) std::memcpy(dst, pool.untyped_data(), pool.size_bytes());
   const char* src = static_cast<const char*>(rows.untyped_data());
   const int32_t* slot = slots.typed_data();
-  char* base = dst + static_cast<int64_t>(l) * layer_bytes;
   for (int64_t i = 0; i < t; ++i) {
     if (slot[i] >= 0 && slot[i] < num_slots) {
       std::memcpy(base + slot[i] * row_bytes, src + i * row_bytes, row_bytes);
@@ -650,19 +656,14 @@ static ffi::Error PagedCopyPages(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> laye
                                  ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::S32> count,
                                  ffi::Result<ffi::AnyBuffer> out) {
   const auto pd = pool.dimensions();
-  if (pd.size() < 2) return ffi::Error::InvalidArgument("paged_copy_pages: pool must be [L, P, ...]");
-  const int64_t num_layers = pd[0], num_pages = pd[1];
-  const int32_t l = layer.typed_data()[0];
-  if (l < 0 || l >= num_layers) {
-    return ffi::Error::InvalidArgument("paged_copy_pages: layer out of range");
+  if (pd.size() < 2) {
+    return ffi::Error::InvalidArgument("paged_copy_pages: pool must be [L, P, ...]");
   }
-  char* dst_pool = static_cast<char*>(out->untyped_data());
-  if (dst_pool != pool.untyped_data()) {
-    std::memcpy(dst_pool, pool.untyped_data(), pool.size_bytes());
-  }
+  char* base = WrittenLayer(pool, out, layer.typed_data()[0]);
+  if (base == nullptr) return ffi::Error::InvalidArgument("paged_copy_pages: layer out of range");
+  const int64_t num_pages = pd[1];
   if (num_pages == 0) return ffi::Error::Success();
-  const int64_t page_bytes = pool.size_bytes() / (num_layers * num_pages);
-  char* base = dst_pool + static_cast<int64_t>(l) * num_pages * page_bytes;
+  const int64_t page_bytes = pool.size_bytes() / (pd[0] * num_pages);
   const int64_t first = std::max<int64_t>(0, start.typed_data()[0]);
   const int64_t n = std::min<int64_t>({count.typed_data()[0],
                                        static_cast<int64_t>(dst.element_count()),

@@ -37,7 +37,7 @@ import numpy as np
 from pallas_kernels.cpu_gemm.stacked_gemm import (
     MATH_HEADER,
     PARALLEL_HEADER,
-    load_handler,
+    load_handlers,
     loads,
 )
 
@@ -58,13 +58,11 @@ _FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pth
 
 @functools.cache
 def _load() -> ctypes.CDLL:
-    for symbol, target in (("ConfluxPagedDecode", DECODE_TARGET),
-                           ("ConfluxPagedPrefill", PREFILL_TARGET),
-                           ("ConfluxPagedKvWrite", KV_WRITE_TARGET),
-                           ("ConfluxPagedCopyPages", COPY_PAGES_TARGET)):
-        handle = load_handler(_SOURCE, symbol, target, [jax.ffi.include_dir()], _FLAGS,
-                              headers=(PARALLEL_HEADER, MATH_HEADER))
-    return handle
+    return load_handlers(_SOURCE, {"ConfluxPagedDecode": DECODE_TARGET,
+                                   "ConfluxPagedPrefill": PREFILL_TARGET,
+                                   "ConfluxPagedKvWrite": KV_WRITE_TARGET,
+                                   "ConfluxPagedCopyPages": COPY_PAGES_TARGET},
+                         _FLAGS, headers=(PARALLEL_HEADER, MATH_HEADER))
 
 
 @functools.cache

@@ -33,7 +33,7 @@ import numpy as np
 from pallas_kernels.cpu_gemm.stacked_gemm import (
     MATH_HEADER,
     PARALLEL_HEADER,
-    load_handler,
+    load_handlers,
     loads,
 )
 
@@ -53,12 +53,10 @@ _FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno",
 
 @functools.cache
 def _load() -> ctypes.CDLL:
-    for symbol, target in (("ConfluxPackedGemm", TARGET),
-                           ("ConfluxPackedGemmGated", GATED_TARGET),
-                           ("ConfluxPackedGemmResidual", RESIDUAL_TARGET)):
-        handle = load_handler(_SOURCE, symbol, target, [jax.ffi.include_dir()], _FLAGS,
-                              headers=(PARALLEL_HEADER, MATH_HEADER))
-    return handle
+    return load_handlers(_SOURCE, {"ConfluxPackedGemm": TARGET,
+                                   "ConfluxPackedGemmGated": GATED_TARGET,
+                                   "ConfluxPackedGemmResidual": RESIDUAL_TARGET},
+                         _FLAGS, headers=(PARALLEL_HEADER, MATH_HEADER))
 
 
 @functools.cache

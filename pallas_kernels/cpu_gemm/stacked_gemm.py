@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["CACHE_ENV_VAR", "blas_available", "build_handler", "handler_key", "load_handler",
-           "load_library", "loads", "stacked_matmul", "stacked_matmul_xla"]
+           "load_handlers", "load_library", "loads", "stacked_matmul", "stacked_matmul_xla"]
 
 CACHE_ENV_VAR = "CONFLUX_KERNEL_CACHE"
 # OpenBLAS's idle workers spin ~0.1 s (2^28 cycles) before they sleep; between two GEMMs of
@@ -97,6 +97,16 @@ def load_handler(source: Path, symbol: str, target: str, include: list[str],
     handle = ctypes.CDLL(str(_built(source, include, flags, lib_dir, lib, versions)))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
                                 platform="cpu")
+    return handle
+
+
+def load_handlers(source: Path, targets: dict[str, str], flags: tuple[str, ...],
+                  headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """``load_handler`` for each ``symbol: target`` of one library built from ``source``
+    (built once: the symbols share its key)."""
+    for symbol, target in targets.items():
+        handle = load_handler(source, symbol, target, [jax.ffi.include_dir()], flags,
+                              headers=headers)
     return handle
 
 
