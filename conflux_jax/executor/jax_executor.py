@@ -48,6 +48,7 @@ from conflux_jax.executor.device import (
     resolve_dtype,
 )
 from conflux_jax.executor.head_padding import pad_heads
+from conflux_jax.executor.huge_pages import Advice, advise_in_background
 from conflux_jax.executor.mesh import SP, MeshSpec, make_mesh
 from conflux_jax.executor.multihost import STOP, StepChannel, put_global, unpack
 from conflux_jax.executor.step import (
@@ -429,6 +430,9 @@ class JaxExecutor:
                                    out_shardings=(pool_sharding,) * count)
         # (K, V) or (KV,) (``kv_layout``): donated to every forward, replaced by its outputs
         self.kv_pools = self._zero_pools()
+        self.huge_pages: Advice | None = None
+        self._on_huge_pages([*jax.tree_util.tree_leaves(self.params), *self.kv_pools],
+                            "the weights and KV pools")
         self._step = build_step(self.step_config, self.mesh, self._param_specs)
         self.layout = layout(num_pages)
         # Device-resident mask / history / bias padding per row count R: a step with no
@@ -452,6 +456,13 @@ class JaxExecutor:
             # before JAX's own exit hook, which waits for every process to shut down).
             atexit.register(self.close)
         self._log_kv_capacity()
+
+    def _on_huge_pages(self, arrays: list[jax.Array], what: str) -> None:
+        """On the CPU, back long-lived buffers with huge pages: every step streams the
+        weights and the live KV pages (``huge_pages``). ``huge_pages`` holds the advice
+        (a thread; its ``result`` once done), None off the CPU."""
+        self.huge_pages = (advise_in_background(arrays, what) if self.platform == "cpu"
+                           else None)
 
     def _put(self, tree: Any, shardings: Any) -> Any:
         """Host values onto the mesh: one batched ``device_put`` in a single process;
@@ -829,6 +840,7 @@ class JaxExecutor:
             return None  # the forward ran: its pools hold the KV (the host or sampler failed)
         # Donated to the failed call: deleted, and its outputs hold the error.
         self.kv_pools = self._zero_pools()
+        self._on_huge_pages(list(self.kv_pools), "the rebuilt KV pools")
         return KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "
                       "its donated KV pools are gone and were rebuilt empty")
 
