@@ -344,12 +344,15 @@ static ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 // A work item is one KV head of a run of a sequence's query tokens: its rows are the
 // (token, query head) pairs of that head's group, so each key row loaded serves them all.
 // Keys go in blocks of kKeyBlock, transposed so that a row's scores are a vector FMA per
-// head dimension, with an online softmax across blocks (scratch stays a few tens of KiB
-// whatever the context).
-constexpr int64_t kTargetRows = 64;  // query rows of a work item (tokens x group)
-constexpr int64_t kKeyBlock = 128;   // keys scored at once
-constexpr int64_t kRowTile = 4;      // query rows sharing each key load
-constexpr int64_t kKeyTile = 64;     // keys sharing each query load (kKeyBlock's divisor)
+// head dimension, with an online softmax across blocks (scratch stays ~0.25 MiB whatever
+// the context). Each row tile scores and sums only the keys its last row sees. Items of
+// 192 rows transpose a sequence's keys a third as often as items of 64, and 32-key score
+// tiles waste less past the diagonal than 64-key ones: 1.04-1.22x on SmolLM2's prefills of
+// 128-512 tokens (bench/RESULTS.md).
+constexpr int64_t kTargetRows = 192;  // query rows of a work item (tokens x group)
+constexpr int64_t kKeyBlock = 128;    // keys scored at once
+constexpr int64_t kRowTile = 4;       // query rows sharing each key load
+constexpr int64_t kKeyTile = 32;      // keys sharing each query load (kKeyBlock's divisor)
 constexpr int64_t kMinWorkPerThread = 1 << 15;  // row-key pairs before a second thread
 
 struct PrefillItem {
@@ -406,10 +409,16 @@ static void AttendBlockD(const PrefillItem& it, const float* __restrict__ q, con
     for (int64_t i = 0; i < d; ++i) {  // a short last block scores zeros, not stale keys
       std::fill(kt + i * kKeyBlock + nk, kt + (i + 1) * kKeyBlock, 0.0f);
     }
+    // Keys of this block that row tile r0's last row sees (causal): the scores and the
+    // weighted sum stop there (0 for a tile that sees none of the block).
+    auto tile_keys = [&](int64_t r0, int64_t nr) {
+      return std::clamp<int64_t>(it.pos0 + (r0 + nr - 1) / group - k0 + 1, 0, nk);
+    };
     // Scores: kRowTile rows at a time, 16 keys a vector, summed over the head dimension.
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t nr = std::min(kRowTile, rows - r0);
-      for (int64_t j0 = 0; j0 < nk; j0 += kKeyTile) {
+      const int64_t seen = tile_keys(r0, nr);
+      for (int64_t j0 = 0; j0 < seen; j0 += kKeyTile) {
         float tile[kRowTile][kKeyTile] = {};
         for (int64_t i = 0; i < d; ++i) {
           const float* kv = kt + i * kKeyBlock + j0;
@@ -454,11 +463,12 @@ static void AttendBlockD(const PrefillItem& it, const float* __restrict__ q, con
     // with the head size fixed, the tile's sums stay in registers across the keys.
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t nr = std::min(kRowTile, rows - r0);
+      const int64_t seen = tile_keys(r0, nr);  // the weights past it are zero
       if constexpr (kD > 0) {
         if (nr == kRowTile) {
           float tile[kRowTile][kD];
           std::memcpy(tile, acc + r0 * kD, sizeof(tile));
-          for (int64_t j = 0; j < nk; ++j) {
+          for (int64_t j = 0; j < seen; ++j) {
             const float* vr = vrows[j];
             for (int64_t r = 0; r < kRowTile; ++r) {
               const float w = s[(r0 + r) * kKeyBlock + j];
@@ -470,7 +480,7 @@ static void AttendBlockD(const PrefillItem& it, const float* __restrict__ q, con
           continue;
         }
       }
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = 0; j < seen; ++j) {
         const float* vr = vrows[j];
         for (int64_t r = 0; r < nr; ++r) {
           const float w = s[(r0 + r) * kKeyBlock + j];
