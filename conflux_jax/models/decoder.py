@@ -32,7 +32,7 @@ from conflux_jax.models.params import (
     validate_params,
 )
 from conflux_jax.models.rope import apply_rope, inverse_frequencies
-from pallas_kernels.cpu_gemm import PANEL, packed_matmul, stacked_matmul
+from pallas_kernels.cpu_gemm import PANEL, Rope, packed_matmul, packed_qkv, stacked_matmul
 
 KV = TypeVar("KV")  # whatever KV state an attention backend carries through the layers
 
@@ -166,26 +166,40 @@ class Decoder(nnx.Module):
             return jnp.split(a, bounds, axis=-1)
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
+        # The packed QKV GEMM stores Q, K and V apart (no slices of one output) where each
+        # is whole panels, and rotates Q and K as it stores them (no RoPE pass of XLA's own)
+        # where half a head is whole panels and Q and K are not normed first, from tables
+        # made once for every layer.
+        qkv_apart = packed and tp_axis is None and all(w % PANEL == 0 for w in widths["wqkv"])
+        rope = None
+        if qkv_apart and not cfg.qk_norm and head_dim % (2 * PANEL) == 0:
+            freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # f32[..., d/2]
+            rope = Rope(jnp.cos(freqs), jnp.sin(freqs))
         unrolled = isinstance(self.layers, nnx.List)
         if unrolled and linears == "blas":
             raise ValueError("linears='blas' reads stacked layer weights; these are per layer")
 
         def block(carry, layer, weight: Callable[[str], jax.Array],
-                  lin: Callable[[jax.Array, str], jax.Array]):
+                  lin: Callable[[jax.Array, str], jax.Array],
+                  qkv: Callable[[jax.Array, Rope | None], tuple[jax.Array, ...]]):
             h, kv = carry
 
             def norm(a: jax.Array, name: str) -> jax.Array:
                 return rms_norm(a, weight(name), cfg.rms_norm_eps)
 
             a = norm(h, "attn_norm")
-            q, k, v = split(lin(a, "wqkv"), "wqkv") if packed else \
-                (lin(a, "wq"), lin(a, "wk"), lin(a, "wv"))
+            if qkv_apart:
+                q, k, v = qkv(a, rope)
+            else:
+                q, k, v = split(lin(a, "wqkv"), "wqkv") if packed else \
+                    (lin(a, "wq"), lin(a, "wk"), lin(a, "wv"))
             q, k, v = (p.reshape(*a.shape[:-1], -1, head_dim) for p in (q, k, v))
             if cfg.qk_norm:
                 q = norm(q, "q_norm")
                 k = norm(k, "k_norm")
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            if rope is None:
+                q = apply_rope(q, positions, inv_freq)
+                k = apply_rope(k, positions, inv_freq)
 
             def plus_linear(h: jax.Array, a: jax.Array, name: str) -> jax.Array:
                 """h + a @ w (all-reduced): the packed GEMM sums into h's buffer itself."""
@@ -206,6 +220,9 @@ class Decoder(nnx.Module):
             return packed_matmul(a, w, layer, out_features[name], live_rows,
                                  gated=name in GATED_LINEARS, residual=residual)
 
+        def packed_qkv_of(w: jax.Array, layer: jax.Array | int):
+            return lambda a, rope: packed_qkv(a, w, layer, widths["wqkv"], live_rows, rope)
+
         if unrolled:
             carry = (x, kv)
             for i, layer_weights in enumerate(self.layers):
@@ -213,7 +230,8 @@ class Decoder(nnx.Module):
                 carry = block(carry, i, weights.__getitem__,
                               (lambda a, name, res=None, w=weights:
                                packed_linear(a, w[name], 0, name, res))
-                              if packed else (lambda a, name, w=weights: linear(a, w[name])))
+                              if packed else (lambda a, name, w=weights: linear(a, w[name])),
+                              packed_qkv_of(weights["wqkv"], 0) if qkv_apart else None)
             return carry
 
         blas = linears == "blas"
@@ -229,7 +247,8 @@ class Decoder(nnx.Module):
                     return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
                 return linear(a, stacked[name][layer])
 
-            return block(carry, layer, lambda name: stacked[name][layer], lin), None
+            return block(carry, layer, lambda name: stacked[name][layer], lin,
+                         packed_qkv_of(stacked["wqkv"], layer) if qkv_apart else None), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(scanned, (x, kv), layer_ids)

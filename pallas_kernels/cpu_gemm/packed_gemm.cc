@@ -4,7 +4,9 @@
 // zero (a step's buffer is padded to its bucket: its padding rows cost no FLOPs).
 // XLA FFI, fp32, the CPU. The gated handler computes silu(x @ gate) * (x @ up) instead,
 // gate's and up's panels interleaved in w (f32[L, 2P, K, 32]): a SwiGLU MLP's first half
-// in one call, its silu and product on each 32-column tile while it is in L1.
+// in one call, its silu and product on each 32-column tile while it is in L1. The QKV
+// handler stores a fused projection's Q, K and V in three buffers, Q and K rotated (RoPE)
+// as each pair of tiles holding a head's two halves is stored.
 //
 // Why packed: a decode step's GEMMs have few rows (1-64), so they stream their weights
 // from memory once and are bound by how fast one core pulls them. A panel read front to back
@@ -22,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -46,6 +49,26 @@ struct Problem {
   int64_t m, k, n, panels;  // panels: output panels (a gated product reads two each)
   bool gated;      // out = silu(x @ gate) * (x @ up), their panels interleaved in w
   bool add;        // out = residual + x @ w: out holds the residual (aliased) on entry
+  // Rotary embedding of out's first rope_cols columns (whole heads of 2 * half columns,
+  // rotate-half form), by row: cos, sin f32[M, half]. rope_cols = 0: none.
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t half = 0, rope_cols = 0;
+  // The output columns as consecutive segments, each its own buffer f32[M, cols[i]] (a
+  // fused QKV projection's Q, K and V: no slicing afterwards). None: out, all n columns.
+  static constexpr int kMaxSegments = 3;
+  int segments = 0;
+  float* seg_out[kMaxSegments] = {};
+  int64_t seg_cols[kMaxSegments] = {};
+
+  // Where output column c lies: its buffer at row 0 and that column, and its row stride.
+  std::pair<float*, int64_t> At(int64_t c) const {
+    for (int i = 0; i + 1 < segments; c -= seg_cols[i], ++i) {
+      if (c < seg_cols[i]) return {seg_out[i] + c, seg_cols[i]};
+    }
+    return segments ? std::pair{seg_out[segments - 1] + c, seg_cols[segments - 1]}
+                    : std::pair{out + c, n};
+  }
 };
 
 }  // namespace
@@ -145,6 +168,28 @@ struct Problem {
     }                                                                                      \
   }                                                                                        \
                                                                                            \
+  /* A head's column c < 32 of panels a (first half) and b (second half), rn rows:
+     out_a = a cos - b sin, out_b = b cos + a sin, cos and sin read at row r's
+     cs[r * ldc + c] (the rotate-half form of transformers' Llama). */                   \
+  __attribute__((target(TARGET))) void RotaryStore(const float* a, const float* b,         \
+                                                   int64_t rn, const float* cs,            \
+                                                   const float* sn, int64_t ldc,           \
+                                                   float* out_a, float* out_b,             \
+                                                   int64_t ldo) {                          \
+    for (int64_t r = 0; r < rn; ++r) {                                                     \
+      const float* ar = a + r * kPanel;                                                    \
+      const float* br = b + r * kPanel;                                                    \
+      const float* c = cs + r * ldc;                                                       \
+      const float* s = sn + r * ldc;                                                       \
+      float* oa = out_a + r * ldo;                                                         \
+      float* ob = out_b + r * ldo;                                                         \
+      _Pragma("omp simd") for (int64_t i = 0; i < kPanel; ++i) {                           \
+        oa[i] = ar[i] * c[i] - br[i] * s[i];                                               \
+        ob[i] = br[i] * c[i] + ar[i] * s[i];                                               \
+      }                                                                                    \
+    }                                                                                      \
+  }                                                                                        \
+                                                                                           \
   /* Output panels [p0, p1) of the product, rows in blocks of mb (x's block stays in L2
      while every panel passes over it; the panels are re-read per block, from L3). A
      gated product's output panel p is weight panels 2p (gate) and 2p + 1 (up). */        \
@@ -155,24 +200,36 @@ struct Problem {
       const float* x = pr.x + r0 * pr.k;                                                   \
       for (int64_t p = p0; p < p1; ++p) {                                                  \
         const int64_t cols = std::min(kPanel, pr.n - p * kPanel);                          \
-        float* out = pr.out + r0 * pr.n + p * kPanel;                                      \
+        const auto [at, ldo] = pr.At(p * kPanel);                                          \
+        float* out = at + r0 * ldo;                                                        \
         const int64_t panel_floats = pr.k * kPanel;                                        \
-        if (pr.gated) {                                                                    \
+        if (p * kPanel < pr.rope_cols) {  /* a rotated head: panels in first/second half */\
+          const int64_t hp = pr.half / kPanel;                                             \
+          const int64_t j = p * kPanel % (2 * pr.half) / kPanel;  /* panel in its head */  \
+          if (j >= hp) continue;  /* a second half: done with its first */                 \
+          tile.resize(2 * rn * kPanel);                                                    \
+          float* second = tile.data() + rn * kPanel;                                       \
+          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, tile.data(), kPanel);         \
+          PanelProduct(x, pr.k, rn, pr.w + (p + hp) * panel_floats, second, kPanel);       \
+          const int64_t at = r0 * pr.half + j * kPanel;  /* row r0, frequency j * 32 */    \
+          RotaryStore(tile.data(), second, rn, pr.cos + at, pr.sin + at, pr.half, out,     \
+                      out + hp * kPanel, ldo);                                             \
+        } else if (pr.gated) {                                                             \
           tile.resize(2 * rn * kPanel);                                                    \
           float* up = tile.data() + rn * kPanel;                                           \
           PanelProduct(x, pr.k, rn, pr.w + 2 * p * panel_floats, tile.data(), kPanel);     \
           PanelProduct(x, pr.k, rn, pr.w + (2 * p + 1) * panel_floats, up, kPanel);        \
-          GatedStore(tile.data(), up, rn, cols, out, pr.n);                                \
+          GatedStore(tile.data(), up, rn, cols, out, ldo);                                 \
         } else if (cols < kPanel) {  /* the last panel, n not a multiple of 32 */         \
           tile.resize(rn * kPanel);                                                        \
           PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, tile.data(), kPanel);         \
           for (int64_t r = 0; r < rn; ++r) {                                               \
             const float* t = tile.data() + r * kPanel;                                     \
-            float* o = out + r * pr.n;                                                     \
+            float* o = out + r * ldo;                                                      \
             for (int64_t c = 0; c < cols; ++c) o[c] = pr.add ? o[c] + t[c] : t[c];         \
           }                                                                                \
         } else {                                                                           \
-          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, out, pr.n, pr.add);           \
+          PanelProduct(x, pr.k, rn, pr.w + p * panel_floats, out, ldo, pr.add);            \
         }                                                                                  \
       }                                                                                    \
     }                                                                                      \
@@ -244,27 +301,55 @@ int64_t RowBlock(int64_t k, int64_t m) {
 }
 
 // The handlers: x f32[M, K], w f32[L, W, K, 32] (W weight panels: P, or 2P gated),
-// layer i32[1], rows i32[1] (, residual f32[M, n] aliased to out) -> out f32[M, n],
-// P = ceil(n / 32) output panels.
+// layer i32[1], rows i32[1] (, residual f32[M, n] aliased to out | , cos, sin f32[M, half])
+// -> out f32[M, n] (or Q, K, V f32[M, n_i]), P = ceil(n / 32) output panels.
 enum class Form { kPlain, kGated, kResidual };
+
+// Where the product goes and what a form adds to it: one buffer f32[M, n] or segments
+// (Problem::seg_*), the residual's data (kResidual), the rotary tables.
+struct Extras {
+  float* out = nullptr;  // with segments == 0
+  int64_t out_rows = 0, n = 0;
+  int segments = 0;
+  float* seg_out[Problem::kMaxSegments] = {};
+  int64_t seg_cols[Problem::kMaxSegments] = {};
+  const float* residual = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t half = 0, rope_cols = 0;
+};
+
+// Output rows [r0, r1) zeroed, in every segment.
+void ZeroRows(const Problem& pr, int64_t r0, int64_t r1) {
+  if (pr.segments == 0) {
+    std::memset(pr.out + r0 * pr.n, 0, sizeof(float) * (r1 - r0) * pr.n);
+    return;
+  }
+  for (int i = 0; i < pr.segments; ++i) {
+    std::memset(pr.seg_out[i] + r0 * pr.seg_cols[i], 0,
+                sizeof(float) * (r1 - r0) * pr.seg_cols[i]);
+  }
+}
 
 template <Form kForm>
 ffi::Error PackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                          ffi::Buffer<ffi::S32> rows, const float* residual,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> rows, const Extras& extra) {
+  const float* residual = extra.residual;
   constexpr bool kGated = kForm == Form::kGated, kAdd = kForm == Form::kResidual;
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  auto od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[3] != kPanel) {
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != kPanel) {
     return ffi::Error::InvalidArgument(
         "packed_gemm: x must be f32[M, K], w f32[L, P, K, 32], out f32[M, n]");
   }
   const int64_t weight_panels = wd[1];
-  Problem pr{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], od[1],
-             kGated ? weight_panels / 2 : weight_panels, kGated, kAdd};
-  if (wd[2] != pr.k || od[0] != pr.m || pr.n > pr.panels * kPanel ||
+  Problem pr{x.typed_data(), nullptr, extra.out, xd[0], xd[1], extra.n,
+             kGated ? weight_panels / 2 : weight_panels, kGated, kAdd,
+             extra.cos, extra.sin, extra.half, extra.rope_cols, extra.segments};
+  std::copy(extra.seg_out, extra.seg_out + Problem::kMaxSegments, pr.seg_out);
+  std::copy(extra.seg_cols, extra.seg_cols + Problem::kMaxSegments, pr.seg_cols);
+  if (wd[2] != pr.k || extra.out_rows != pr.m || pr.n > pr.panels * kPanel ||
       pr.n <= (pr.panels - 1) * kPanel || (kGated && weight_panels % 2)) {
     return ffi::Error::InvalidArgument("packed_gemm: inconsistent shapes");
   }
@@ -274,13 +359,13 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (kAdd && residual != pr.out) std::memcpy(pr.out, residual, sizeof(float) * pr.m * pr.n);
   const int64_t live = std::clamp<int64_t>(rows.typed_data()[0], 0, pr.m);
   // Padding rows: zero, or the residual as it came.
-  if (!kAdd) std::memset(pr.out + live * pr.n, 0, sizeof(float) * (pr.m - live) * pr.n);
+  if (!kAdd) ZeroRows(pr, live, pr.m);
   pr.m = live;
   const PanelsFn panels_fn = HostPanels(pr.m);
   if (pr.m == 0 || pr.n == 0) return ffi::Error::Success();
   pr.w = w.typed_data() + static_cast<int64_t>(l) * weight_panels * pr.k * kPanel;
   if (pr.k == 0) {  // silu(0) * 0 = 0 too; a residual stays
-    if (!kAdd) std::memset(pr.out, 0, sizeof(float) * pr.m * pr.n);
+    if (!kAdd) ZeroRows(pr, 0, pr.m);
     return ffi::Error::Success();
   }
   const int64_t total = weight_panels * pr.k * kPanel * (pr.m + 4);
@@ -293,11 +378,64 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// One result buffer f32[M, n] (null extras: a plain or gated product).
+Extras Into(ffi::Result<ffi::Buffer<ffi::F32>>& out, Extras extra = {}) {
+  auto od = out->dimensions();
+  extra.out = out->typed_data();
+  extra.out_rows = od.size() == 2 ? od[0] : -1;
+  extra.n = od.size() == 2 ? od[1] : 0;
+  return extra;
+}
+
 template <Form kForm>
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
                       ffi::ResultBuffer<ffi::F32> out) {
-  return PackedGemmImpl<kForm>(pool, x, w, layer, rows, nullptr, out);
+  return PackedGemmImpl<kForm>(pool, x, w, layer, rows, Into(out));
+}
+
+// A fused QKV projection into its three parts, Q f32[M, nq], K f32[M, nk], V f32[M, nv]
+// (each a whole number of panels), Q and K rotated by row (cos, sin f32[M, half]; half = 0:
+// no rotation) as each tile is stored: neither XLA's slices of one [M, nq + nk + nv] output
+// nor its RoPE pass over them, which together ran at ~12 GB/s on data in L2 (~11 ms of a
+// 512-token SmolLM2 step; bench/RESULTS.md).
+ffi::Error PackedGemmQkv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> cos,
+                         ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> q,
+                         ffi::ResultBuffer<ffi::F32> k, ffi::ResultBuffer<ffi::F32> v) {
+  Extras extra;
+  extra.segments = 3;
+  ffi::Result<ffi::Buffer<ffi::F32>>* parts[3] = {&q, &k, &v};
+  const int64_t m = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;
+  for (int i = 0; i < 3; ++i) {
+    auto d = (*parts[i])->dimensions();
+    if (d.size() != 2 || d[0] != m || d[1] % kPanel != 0) {
+      return ffi::Error::InvalidArgument(
+          "packed_gemm: Q, K and V must be f32[M, n_i], each n_i a multiple of 32");
+    }
+    extra.seg_out[i] = (*parts[i])->typed_data();
+    extra.seg_cols[i] = d[1];
+    extra.n += d[1];
+  }
+  extra.out_rows = m;
+  auto cd = cos.dimensions();
+  if (cd.size() != 2 || sin.dimensions().size() != 2 || sin.dimensions()[0] != cd[0] ||
+      sin.dimensions()[1] != cd[1] || cd[0] != m) {
+    return ffi::Error::InvalidArgument("packed_gemm: cos and sin must be f32[M, half]");
+  }
+  extra.half = cd[1];
+  if (extra.half > 0) {
+    extra.rope_cols = extra.seg_cols[0] + extra.seg_cols[1];
+    if (extra.half % kPanel != 0 || extra.seg_cols[0] % (2 * extra.half) != 0 ||
+        extra.seg_cols[1] % (2 * extra.half) != 0) {
+      return ffi::Error::InvalidArgument(
+          "packed_gemm: rotary halves must be whole panels of 32, Q and K whole heads");
+    }
+    extra.cos = cos.typed_data();
+    extra.sin = sin.typed_data();
+  }
+  return PackedGemmImpl<Form::kPlain>(pool, x, w, layer, rows, extra);
 }
 
 ffi::Error PackedGemmResidual(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -309,7 +447,9 @@ ffi::Error PackedGemmResidual(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       residual.dimensions()[1] != out->dimensions()[1]) {
     return ffi::Error::InvalidArgument("packed_gemm: the residual must be f32[M, n]");
   }
-  return PackedGemmImpl<Form::kResidual>(pool, x, w, layer, rows, residual.typed_data(), out);
+  Extras extra;
+  extra.residual = residual.typed_data();
+  return PackedGemmImpl<Form::kResidual>(pool, x, w, layer, rows, Into(out, extra));
 }
 
 auto PackedGemmBinding() {
@@ -329,6 +469,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm<Form::kPlain>,
 // panels of each 32 output columns interleaved in w.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmGated, PackedGemm<Form::kGated>,
                               PackedGemmBinding().Ret<ffi::Buffer<ffi::F32>>());
+// A fused QKV projection as Q, K and V, Q and K rotated (cos, sin f32[M, half] by row).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmQkv, PackedGemmQkv,
+                              PackedGemmBinding()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // q
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // v
 // residual + x @ w into the residual's buffer (aliased to out): a block's residual add
 // without a pass of its own over the [M, n] activations.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemmResidual, PackedGemmResidual,

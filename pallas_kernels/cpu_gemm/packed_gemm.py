@@ -21,6 +21,7 @@ oracle beside numpy, and the route on other platforms).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -37,13 +38,14 @@ from pallas_kernels.cpu_gemm.stacked_gemm import (
     loads,
 )
 
-__all__ = ["PANEL", "pack_gated", "pack_weight", "packed_gemm_available", "packed_matmul",
-           "packed_matmul_xla", "unpack_weight"]
+__all__ = ["PANEL", "Rope", "pack_gated", "pack_weight", "packed_gemm_available",
+           "packed_matmul", "packed_matmul_xla", "packed_qkv", "unpack_weight"]
 
 PANEL = 32  # output columns of a panel (the kernel's kPanel)
 TARGET = "conflux_packed_gemm"
 GATED_TARGET = "conflux_packed_gemm_gated"
 RESIDUAL_TARGET = "conflux_packed_gemm_residual"
+QKV_TARGET = "conflux_packed_gemm_qkv"
 _SOURCE = Path(__file__).with_name("packed_gemm.cc")
 # -std=c++17 turns FMA contraction off; the kernel's multiply-adds are written to be fused.
 # The gated store's exp vectorizes only without errno and traps (see cpu_attention).
@@ -55,7 +57,8 @@ _FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno",
 def _load() -> ctypes.CDLL:
     return load_handlers(_SOURCE, {"ConfluxPackedGemm": TARGET,
                                    "ConfluxPackedGemmGated": GATED_TARGET,
-                                   "ConfluxPackedGemmResidual": RESIDUAL_TARGET},
+                                   "ConfluxPackedGemmResidual": RESIDUAL_TARGET,
+                                   "ConfluxPackedGemmQkv": QKV_TARGET},
                          _FLAGS, headers=(PARALLEL_HEADER, MATH_HEADER))
 
 
@@ -109,6 +112,23 @@ def _check(x: jax.Array, wp: jax.Array, n: int, gated: bool) -> None:
                          + (" (gated: gate and up, interleaved)" if gated else ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary tables by row (rotate-half form, ``models.rope.apply_rope``'s): a head of
+    ``2 * half`` columns has its halves a, b replaced by a cos - b sin, b cos + a sin."""
+
+    cos: jax.Array  # f32[..., half] (x's leading axes): cos(position * inv_freq)
+    sin: jax.Array  # f32[..., half]
+
+    def apply(self, y: jax.Array) -> jax.Array:  # f32[..., H * 2 half], rotated
+        """The rotation in plain ``jnp`` (the handler's oracle)."""
+        half = self.cos.shape[-1]
+        heads = y.reshape(*y.shape[:-1], -1, 2 * half)
+        a, b = heads[..., :half], heads[..., half:]
+        c, s = self.cos[..., None, :], self.sin[..., None, :]
+        return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1).reshape(y.shape)
+
+
 def packed_matmul(
     x: jax.Array,  # f32[..., K]
     wp: jax.Array,  # f32[L, P, K, 32] stacked layers, or f32[P, K, 32] one matrix
@@ -148,6 +168,46 @@ def packed_matmul(
     else:
         out = jax.ffi.ffi_call(GATED_TARGET if gated else TARGET, result)(*args)
     return out.reshape(*lead, n)
+
+
+def packed_qkv(
+    x: jax.Array,  # f32[..., K]
+    wp: jax.Array,  # f32[L, P, K, 32] or f32[P, K, 32]: Q, K and V's columns side by side
+    layer: jax.Array | int,  # i32[]
+    widths: tuple[int, int, int],  # Q's, K's and V's columns, each a multiple of 32
+    rows: jax.Array | int | None = None,  # i32[] live rows of x flattened; None: all
+    rope: Rope | None = None,  # Q and K rotated by row (their heads: 2 * half columns)
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[..., widths[i]] each
+    """A fused QKV projection (``x @ w[layer]``, as :func:`packed_matmul`) returned as its
+    three parts, each tile stored straight into its own buffer, Q and K rotated as they are
+    stored when ``rope`` is given: no slicing of one output afterwards and no RoPE pass."""
+    n = sum(widths)
+    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
+        raise ValueError(f"packed_qkv is fp32 only, got {x.dtype} @ {wp.dtype}")
+    _check(x, wp, n, False)
+    if len(widths) != 3 or any(w <= 0 or w % PANEL for w in widths):
+        raise ValueError(f"packed_qkv: widths {widths} must be three multiples of {PANEL}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if rope is not None:
+        half = rope.cos.shape[-1]
+        if rope.cos.shape != (*lead, half) or rope.sin.shape != rope.cos.shape:
+            raise ValueError(f"rope: cos and sin must be f32{[*lead, 'half']}, got "
+                             f"{list(rope.cos.shape)} and {list(rope.sin.shape)}")
+        if half % PANEL or widths[0] % (2 * half) or widths[1] % (2 * half):
+            raise ValueError(f"rope: half a head ({half}) must be whole panels of {PANEL} "
+                             f"and Q, K ({widths[:2]}) whole heads")
+        cos, sin = rope.cos.reshape(m, half), rope.sin.reshape(m, half)
+    else:
+        cos = sin = jnp.zeros((m, 0), jnp.float32)
+    _load()
+    if wp.ndim == 3:
+        wp = wp[None]
+    live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
+    results = tuple(jax.ShapeDtypeStruct((m, w), jnp.float32) for w in widths)
+    q, k, v = jax.ffi.ffi_call(QKV_TARGET, results)(
+        x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live, cos, sin)
+    return tuple(p.reshape(*lead, w) for p, w in zip((q, k, v), widths, strict=True))
 
 
 def packed_matmul_xla(x: jax.Array, wp: jax.Array, layer: jax.Array | int,

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from tiny_models import TINY_QWEN3, TINY_SMOL
+from tiny_models import TINY_LLAMA_D64, TINY_QWEN3, TINY_SMOL
 
 from conflux_jax.executor.jax_executor import resolve_layer_weights
 from conflux_jax.models.decoder import random_params
@@ -47,11 +47,13 @@ def test_layer_weights_choice() -> None:
 
 
 @pytest.mark.skipif(not packed_gemm_available()[0], reason="the packed GEMM cannot build here")
-@pytest.mark.parametrize("config", [TINY_QWEN3, TINY_SMOL], ids=["qwen3", "smol-tied"])
+@pytest.mark.parametrize("config", [TINY_QWEN3, TINY_SMOL, TINY_LLAMA_D64],
+                         ids=["qwen3", "smol-tied", "llama-d64"])
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_packed_linears_run_the_same_model(config, per_layer) -> None:
     """Packed layer matrices and LM head (tied embeddings stored once, as the packed head)
-    give the logits of the plain weights on XLA's dot."""
+    give the logits of the plain weights on XLA's dot (heads of 64: RoPE inside the QKV
+    GEMM, against ``apply_rope``)."""
     params = random_params(config, seed=3, scale=0.2)
     packed = pack_linears(unstack_layers(params) if per_layer else params)
     assert linears_packed(packed) and not linears_packed(params)

@@ -1,7 +1,8 @@
 """The packed-weight GEMM (an XLA FFI call) equals numpy's float64 product of the same layer
 for every kernel (AVX-512, AVX2, plain vectors), row count, panel remainder and K block;
-packing round-trips; the gated form equals numpy's silu(x @ gate) * (x @ up); what it
-cannot do is refused by name."""
+packing round-trips; the gated form equals numpy's silu(x @ gate) * (x @ up), the rotary
+form numpy's RoPE of the product's Q and K, stored apart from V; what it cannot do is
+refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ from hypothesis import strategies as st
 
 from pallas_kernels.cpu_gemm import (
     PANEL,
+    Rope,
     pack_gated,
     pack_weight,
     packed_gemm_available,
     packed_matmul,
     packed_matmul_xla,
+    packed_qkv,
     unpack_weight,
 )
 
@@ -230,3 +233,65 @@ def test_residual_is_summed_in_place(m, k, n, live, isa, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(k))
     with pytest.raises(ValueError, match="the residual must be f32"):
         packed_matmul(x, wp, 1, n, residual=jnp.zeros((m, n + 1)))
+
+
+def _rotated(y: np.ndarray, angles: np.ndarray, columns: int) -> np.ndarray:
+    """numpy float64 RoPE, rotate-half form, of y's first ``columns`` columns (heads of
+    2 * angles.shape[-1]), as transformers' Llama applies it."""
+    y = y.astype(np.float64).copy()
+    half = angles.shape[-1]
+    c, s = np.cos(angles), np.sin(angles)
+    for h0 in range(0, columns, 2 * half):
+        a, b = y[..., h0:h0 + half].copy(), y[..., h0 + half:h0 + 2 * half].copy()
+        y[..., h0:h0 + half] = a * c - b * s
+        y[..., h0 + half:h0 + 2 * half] = b * c + a * s
+    return y
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("m", "k", "d", "heads", "live", "rotate"), [
+    (1, 64, 64, (2, 1, 1), 1, True), (9, 96, 64, (3, 1, 1), 7, True),
+    (16, 576, 64, (9, 3, 3), 16, True), (40, 128, 128, (2, 1, 1), 33, True),
+    (300, 70, 64, (1, 1, 1), 290, True),  # row blocks below 8 KiB of x
+    (12, 40, 32, (3, 2, 2), 12, False)])  # heads of 32: apart, not rotated
+def test_qkv_apart_and_rotated_match_numpy(m, k, d, heads, live, rotate, isa, monkeypatch):
+    """Q, K and V are the product's column ranges, Q and K rotated by each row's angles
+    (numpy float64 RoPE), V as it is, padding rows zero; heads of 64 and 128, the two
+    halves of a head in one thread's panel range or split over two (9 + 3 heads of 64:
+    30 panels, halves 15 | 15)."""
+    monkeypatch.setenv("CONFLUX_GEMM_ISA", isa)
+    monkeypatch.setenv("CONFLUX_GEMM_XBLOCK_KB", "8")
+    widths = tuple(h * d for h in heads)
+    n = sum(widths)
+    w, x = _rand(2, k, n), _rand(m, k)
+    angles = RNG.integers(0, 4096, (m, 1)) * (1.0 / 10000 ** (np.arange(d // 2) / (d // 2)))
+    rope = Rope(jnp.asarray(np.cos(angles), jnp.float32),
+                jnp.asarray(np.sin(angles), jnp.float32)) if rotate else None
+    got = jax.jit(lambda x, wp: packed_qkv(x, wp, 1, widths, live, rope))(
+        x, jnp.asarray(pack_weight(w)))
+    want = x.astype(np.float64) @ w[1].astype(np.float64)
+    if rotate:
+        want = _rotated(want, angles, widths[0] + widths[1])
+    want[live:] = 0.0
+    bounds = np.cumsum(widths)[:-1]
+    for part, expected in zip(got, np.split(want, bounds, axis=-1), strict=True):
+        np.testing.assert_allclose(np.asarray(part), expected, rtol=2e-5,
+                                   atol=2e-5 * np.sqrt(k))
+    if rotate:  # the jnp form of the rotation, the same oracle
+        jnp_form = rope.apply(jnp.asarray(x @ w[1])[:, :widths[0] + widths[1]])
+        np.testing.assert_allclose(np.asarray(jnp_form)[:live],
+                                   want[:live, :widths[0] + widths[1]], rtol=2e-5,
+                                   atol=2e-5 * np.sqrt(k))
+
+
+def test_qkv_shapes_are_checked():
+    x, wp = jnp.zeros((4, 32)), jnp.asarray(pack_weight(_rand(1, 32, 256)))
+    tables = jnp.zeros((4, 32))
+    with pytest.raises(ValueError, match="whole heads"):
+        packed_qkv(x, wp, 0, (96, 96, 64), rope=Rope(tables, tables))  # 1.5 heads of 64
+    with pytest.raises(ValueError, match="whole panels"):
+        packed_qkv(x, wp, 0, (128, 64, 64), rope=Rope(tables[:, :16], tables[:, :16]))
+    with pytest.raises(ValueError, match="cos and sin"):
+        packed_qkv(x, wp, 0, (128, 64, 64), rope=Rope(tables[:3], tables[:3]))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        packed_qkv(x, wp, 0, (176, 40, 40))
