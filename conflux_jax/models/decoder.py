@@ -12,6 +12,7 @@ inside ``shard_map`` (pass ``tp_axis`` to all-reduce the row-parallel outputs).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -32,7 +33,7 @@ from conflux_jax.models.params import (
     validate_params,
 )
 from conflux_jax.models.rope import apply_rope, inverse_frequencies
-from pallas_kernels.cpu_gemm import PANEL, Rope, packed_matmul, packed_qkv, stacked_matmul
+from pallas_kernels.cpu_gemm import PANEL, RmsNorm, Rope, packed_matmul, packed_qkv, stacked_matmul
 
 KV = TypeVar("KV")  # whatever KV state an attention backend carries through the layers
 
@@ -166,11 +167,13 @@ class Decoder(nnx.Module):
             return jnp.split(a, bounds, axis=-1)
         inv_freq = self.inv_freq[...]
         head_dim = cfg.head_dim
-        # The packed QKV GEMM stores Q, K and V apart (no slices of one output) where each
-        # is whole panels, and rotates Q and K as it stores them (no RoPE pass of XLA's own)
+        # Unsharded, the packed GEMMs apply the block's two RMSNorms to their input rows (no
+        # pass of XLA's own), the QKV GEMM stores Q, K and V apart (no slices of one output)
+        # where each is whole panels, and rotates Q and K as it stores them (no RoPE pass)
         # where half a head is whole panels and Q and K are not normed first, from tables
         # made once for every layer.
-        qkv_apart = packed and tp_axis is None and all(w % PANEL == 0 for w in widths["wqkv"])
+        fuse_norms = packed and tp_axis is None
+        qkv_apart = fuse_norms and all(w % PANEL == 0 for w in widths["wqkv"])
         rope = None
         if qkv_apart and not cfg.qk_norm and head_dim % (2 * PANEL) == 0:
             freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # f32[..., d/2]
@@ -187,13 +190,13 @@ class Decoder(nnx.Module):
             def norm(a: jax.Array, name: str) -> jax.Array:
                 return rms_norm(a, weight(name), cfg.rms_norm_eps)
 
-            a = norm(h, "attn_norm")
             if qkv_apart:
-                q, k, v = qkv(a, rope)
+                q, k, v = qkv(h, rope)  # attn_norm inside
             else:
+                a = norm(h, "attn_norm")
                 q, k, v = split(lin(a, "wqkv"), "wqkv") if packed else \
                     (lin(a, "wq"), lin(a, "wk"), lin(a, "wv"))
-            q, k, v = (p.reshape(*a.shape[:-1], -1, head_dim) for p in (q, k, v))
+            q, k, v = (p.reshape(*h.shape[:-1], -1, head_dim) for p in (q, k, v))
             if cfg.qk_norm:
                 q = norm(q, "q_norm")
                 k = norm(k, "k_norm")
@@ -209,29 +212,37 @@ class Decoder(nnx.Module):
 
             o, kv = attend(layer, q, k, v, kv)
             h = plus_linear(h, o.reshape(*o.shape[:-2], -1), "wo")
-            m = norm(h, "mlp_norm")
-            gated = lin(m, "w_gate_up") if packed else \
-                jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up")
+            if fuse_norms:
+                gated = lin(h, "w_gate_up", None, "mlp_norm")
+            else:
+                m = norm(h, "mlp_norm")
+                gated = lin(m, "w_gate_up") if packed else \
+                    jax.nn.silu(lin(m, "w_gate")) * lin(m, "w_up")
             h = plus_linear(h, gated, "w_down")
             return h, kv
 
-        def packed_linear(a: jax.Array, w: jax.Array, layer: jax.Array | int, name: str,
-                          residual: jax.Array | None = None) -> jax.Array:
-            return packed_matmul(a, w, layer, out_features[name], live_rows,
-                                 gated=name in GATED_LINEARS, residual=residual)
+        def packed_linear(weights: Mapping[str, jax.Array], layer: jax.Array | int,
+                          a: jax.Array, name: str, residual: jax.Array | None = None,
+                          norm: str | None = None) -> jax.Array:
+            """``a @ weights[name][layer]`` on the packed GEMM, ``a`` normed first by the
+            RMSNorm ``weights[norm]`` when given (stacked weights, or one layer's)."""
+            rms = None if norm is None else RmsNorm(weights[norm], cfg.rms_norm_eps)
+            return packed_matmul(a, weights[name], layer, out_features[name], live_rows,
+                                 gated=name in GATED_LINEARS, residual=residual, norm=rms)
 
-        def packed_qkv_of(w: jax.Array, layer: jax.Array | int):
-            return lambda a, rope: packed_qkv(a, w, layer, widths["wqkv"], live_rows, rope)
+        def packed_qkv_of(weights: Mapping[str, jax.Array], layer: jax.Array | int):
+            rms = RmsNorm(weights["attn_norm"], cfg.rms_norm_eps)
+            return lambda h, rope: packed_qkv(h, weights["wqkv"], layer, widths["wqkv"],
+                                              live_rows, rope, rms)
 
         if unrolled:
             carry = (x, kv)
             for i, layer_weights in enumerate(self.layers):
                 weights = layer_weights.weights()  # this layer's own arrays
                 carry = block(carry, i, weights.__getitem__,
-                              (lambda a, name, res=None, w=weights:
-                               packed_linear(a, w[name], 0, name, res))
-                              if packed else (lambda a, name, w=weights: linear(a, w[name])),
-                              packed_qkv_of(weights["wqkv"], 0) if qkv_apart else None)
+                              functools.partial(packed_linear, weights, 0) if packed
+                              else (lambda a, name, w=weights: linear(a, w[name])),
+                              packed_qkv_of(weights, 0) if qkv_apart else None)
             return carry
 
         blas = linears == "blas"
@@ -240,15 +251,16 @@ class Decoder(nnx.Module):
         def scanned(carry, layer):
             # Every weight stays stacked, a loop constant: OpenBLAS reads its layer in place;
             # the rest take theirs by ``[layer]`` (what scanning the weights would slice).
-            def lin(a: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
+            def lin(a: jax.Array, name: str, residual: jax.Array | None = None,
+                    norm: str | None = None) -> jax.Array:
                 if packed:
-                    return packed_linear(a, stacked[name], layer, name, residual)
+                    return packed_linear(stacked, layer, a, name, residual, norm)
                 if blas and BLAS_MIN_ROWS <= math.prod(a.shape[:-1]) <= BLAS_MAX_ROWS:
                     return stacked_matmul(a, stacked[name], layer).astype(a.dtype)
                 return linear(a, stacked[name][layer])
 
             return block(carry, layer, lambda name: stacked[name][layer], lin,
-                         packed_qkv_of(stacked["wqkv"], layer) if qkv_apart else None), None
+                         packed_qkv_of(stacked, layer) if qkv_apart else None), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(scanned, (x, kv), layer_ids)

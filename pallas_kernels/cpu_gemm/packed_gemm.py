@@ -38,7 +38,7 @@ from pallas_kernels.cpu_gemm.stacked_gemm import (
     loads,
 )
 
-__all__ = ["PANEL", "Rope", "pack_gated", "pack_weight", "packed_gemm_available",
+__all__ = ["PANEL", "RmsNorm", "Rope", "pack_gated", "pack_weight", "packed_gemm_available",
            "packed_matmul", "packed_matmul_xla", "packed_qkv", "unpack_weight"]
 
 PANEL = 32  # output columns of a panel (the kernel's kPanel)
@@ -129,6 +129,31 @@ class Rope:
         return jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1).reshape(y.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class RmsNorm:
+    """An RMSNorm the GEMM applies to x's rows before the product (``x * rsqrt(mean(x^2) +
+    eps) * weight`` in fp32, ``models.decoder.rms_norm``'s)."""
+
+    weight: jax.Array  # f32[L, K] stacked (the GEMM's ``layer`` picks the row) or f32[K]
+    eps: float
+
+    def operand(self, wp: jax.Array, k: int) -> jax.Array:  # f32[L, K]
+        """The weight as the handler takes it: one row per layer of ``wp``."""
+        layers = wp.shape[0] if wp.ndim == 4 else 1
+        weight = self.weight.reshape(1, k) if self.weight.ndim == 1 else self.weight
+        if weight.shape != (layers, k) or weight.dtype != jnp.float32:
+            raise ValueError(f"norm: the weight must be f32[{layers}, {k}] (or f32[{k}] for "
+                             f"one matrix), got {weight.dtype}{list(weight.shape)}")
+        return weight
+
+
+def _norm_args(norm: RmsNorm | None, wp: jax.Array, k: int) -> tuple[jax.Array, float]:
+    """(the norm operand, eps): f32[0] and 0 for no norm."""
+    if norm is None:
+        return jnp.zeros((0,), jnp.float32), 0.0
+    return norm.operand(wp, k), float(norm.eps)
+
+
 def packed_matmul(
     x: jax.Array,  # f32[..., K]
     wp: jax.Array,  # f32[L, P, K, 32] stacked layers, or f32[P, K, 32] one matrix
@@ -137,6 +162,7 @@ def packed_matmul(
     rows: jax.Array | int | None = None,  # i32[] live rows of x flattened; None: all
     gated: bool = False,  # wp from pack_gated: silu(x @ gate) * (x @ up)
     residual: jax.Array | None = None,  # f32[..., n]: residual + x @ w, in its buffer
+    norm: RmsNorm | None = None,  # gated only: x's rows RMS-normed first
 ) -> jax.Array:  # f32[..., n]
     """``x @ w[layer]`` on packed ``w`` by the C++ handler, reading the layer in place
     (``packed_gemm_available`` must hold). With ``rows``, only the first ``rows`` rows of
@@ -144,7 +170,11 @@ def packed_matmul(
     padded to its bucket spends no FLOPs on its padding. ``gated``: a SwiGLU MLP's
     ``silu(x @ gate) * (x @ up)`` in one call, on ``pack_gated``'s interleaved panels.
     ``residual``: ``residual + x @ w``, summed into the residual's buffer (aliased to the
-    result, so no pass of its own over it); the rows past ``rows`` are the residual's."""
+    result, so no pass of its own over it); the rows past ``rows`` are the residual's.
+    ``norm`` (gated only): the product of ``norm``'s RMSNorm of x's rows, normed inside the
+    call (a block's MLP norm without a pass of XLA's own)."""
+    if norm is not None and not gated:
+        raise ValueError("packed_matmul: norm is for the gated product (and packed_qkv)")
     if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
         raise ValueError(f"packed_matmul is fp32 only, got {x.dtype} @ {wp.dtype}")
     _check(x, wp, n, gated)
@@ -165,8 +195,11 @@ def packed_matmul(
     if residual is not None:
         call = jax.ffi.ffi_call(RESIDUAL_TARGET, result, input_output_aliases={4: 0})
         out = call(*args, residual.reshape(m, n))
+    elif gated:
+        weight, eps = _norm_args(norm, wp, x.shape[-1])
+        out = jax.ffi.ffi_call(GATED_TARGET, result)(*args, weight, eps=np.float32(eps))
     else:
-        out = jax.ffi.ffi_call(GATED_TARGET if gated else TARGET, result)(*args)
+        out = jax.ffi.ffi_call(TARGET, result)(*args)
     return out.reshape(*lead, n)
 
 
@@ -177,10 +210,12 @@ def packed_qkv(
     widths: tuple[int, int, int],  # Q's, K's and V's columns, each a multiple of 32
     rows: jax.Array | int | None = None,  # i32[] live rows of x flattened; None: all
     rope: Rope | None = None,  # Q and K rotated by row (their heads: 2 * half columns)
+    norm: RmsNorm | None = None,  # x's rows RMS-normed first
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[..., widths[i]] each
     """A fused QKV projection (``x @ w[layer]``, as :func:`packed_matmul`) returned as its
     three parts, each tile stored straight into its own buffer, Q and K rotated as they are
-    stored when ``rope`` is given: no slicing of one output afterwards and no RoPE pass."""
+    stored when ``rope`` is given, of x's rows RMS-normed inside the call when ``norm`` is:
+    no slicing of one output afterwards, no RoPE pass and no norm pass."""
     n = sum(widths)
     if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
         raise ValueError(f"packed_qkv is fp32 only, got {x.dtype} @ {wp.dtype}")
@@ -203,10 +238,12 @@ def packed_qkv(
     _load()
     if wp.ndim == 3:
         wp = wp[None]
+    weight, eps = _norm_args(norm, wp, x.shape[-1])
     live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
     results = tuple(jax.ShapeDtypeStruct((m, w), jnp.float32) for w in widths)
     q, k, v = jax.ffi.ffi_call(QKV_TARGET, results)(
-        x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live, cos, sin)
+        x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live, cos, sin,
+        weight, eps=np.float32(eps))
     return tuple(p.reshape(*lead, w) for p, w in zip((q, k, v), widths, strict=True))
 
 

@@ -1,8 +1,9 @@
 """The packed-weight GEMM (an XLA FFI call) equals numpy's float64 product of the same layer
 for every kernel (AVX-512, AVX2, plain vectors), row count, panel remainder and K block;
 packing round-trips; the gated form equals numpy's silu(x @ gate) * (x @ up), the rotary
-form numpy's RoPE of the product's Q and K, stored apart from V; what it cannot do is
-refused by name."""
+form numpy's RoPE of the product's Q and K, stored apart from V; the gated and QKV forms
+normed inside the call equal numpy's RMSNorm, then product; what it cannot do is refused by
+name."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.cpu_gemm import (
     PANEL,
+    RmsNorm,
     Rope,
     pack_gated,
     pack_weight,
@@ -295,3 +297,54 @@ def test_qkv_shapes_are_checked():
         packed_qkv(x, wp, 0, (128, 64, 64), rope=Rope(tables[:3], tables[:3]))
     with pytest.raises(ValueError, match="multiples of 32"):
         packed_qkv(x, wp, 0, (176, 40, 40))
+
+
+def _rms_normed(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    """numpy float64 RMSNorm of x's rows (transformers' Llama RMSNorm)."""
+    x = x.astype(np.float64)
+    return g.astype(np.float64) * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("m", "k", "live"), [
+    (1, 64, 1), (16, 96, 13), (300, 70, 290),
+    (300, 512, 290)])  # rows enough to norm on the workers too (2+ cores)
+def test_norm_inside_the_gated_and_qkv_products(m, k, live, isa, monkeypatch):
+    """The gated and QKV forms on x's rows RMS-normed by the layer's weight equal numpy's
+    float64 norm, then product (gated: then SwiGLU); padding rows stay zero whatever x
+    holds there (NaN included), one matrix takes a 1-D weight."""
+    monkeypatch.setenv("CONFLUX_GEMM_ISA", isa)
+    eps, n = 1e-5, 64
+    x = 3.0 * _rand(m, k)
+    x[live:] = np.nan
+    g = 1.0 + 0.5 * _rand(2, k)
+    gate, up, w = _rand(2, k, n), _rand(2, k, n), _rand(2, k, 3 * n)
+    normed = _rms_normed(x[:live], g[1], eps)
+    got = np.asarray(jax.jit(lambda x, wp, g: packed_matmul(
+        x, wp, 1, n, live, gated=True, norm=RmsNorm(g, eps)))(
+        x, jnp.asarray(pack_gated(gate, up)), jnp.asarray(g)))
+    a, b = normed @ gate[1].astype(np.float64), normed @ up[1].astype(np.float64)
+    want = np.zeros((m, n))
+    want[:live] = a / (1.0 + np.exp(-a)) * b
+    np.testing.assert_allclose(got, want, rtol=5e-5, atol=5e-5 * np.sqrt(k))
+    parts = jax.jit(lambda x, wp, g: packed_qkv(x, wp, 1, (n, n, n), live,
+                                                norm=RmsNorm(g, eps)))(
+        x, jnp.asarray(pack_weight(w)), jnp.asarray(g))
+    want = np.zeros((m, 3 * n))
+    want[:live] = normed @ w[1].astype(np.float64)
+    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in parts], -1), want,
+                               rtol=5e-5, atol=5e-5 * np.sqrt(k))
+    one = packed_qkv(jnp.asarray(x), jnp.asarray(pack_weight(w[1])), 0, (n, n, n), live,
+                     norm=RmsNorm(jnp.asarray(g[1]), eps))
+    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in one], -1), want,
+                               rtol=5e-5, atol=5e-5 * np.sqrt(k))
+
+
+def test_norm_shapes_are_checked():
+    x, g = jnp.zeros((4, 32)), jnp.ones((2, 32))
+    with pytest.raises(ValueError, match="gated product"):
+        packed_matmul(x, jnp.asarray(pack_weight(_rand(2, 32, 64))), 0, 64,
+                      norm=RmsNorm(g, 1e-5))
+    with pytest.raises(ValueError, match=r"f32\[2, 32\]"):
+        packed_qkv(x, jnp.asarray(pack_weight(_rand(2, 32, 96))), 0, (32, 32, 32),
+                   norm=RmsNorm(g[:1], 1e-5))
