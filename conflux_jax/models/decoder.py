@@ -142,7 +142,9 @@ class Decoder(nnx.Module):
         ``linears="packed"`` runs every linear on the packed-weight GEMM, which also reads
         the layer in place, on weights ``models.params.pack_linears`` packed, with the
         SwiGLU applied inside the gate/up GEMM and the residual adds summed into the O and
-        down GEMMs' outputs; given ``live_rows`` it multiplies only x's first
+        down GEMMs' outputs; unsharded, also the two RMSNorms inside the QKV and gate/up
+        GEMMs, and Q, K and V stored apart by the QKV GEMM, which rotates Q and K itself
+        (heads of 64 or 128 with no Q/K norm); given ``live_rows`` it multiplies only x's first
         ``live_rows`` rows (leading axes flattened) and leaves the padding rows after them
         zero (other routes compute every row). Weights held per layer run unrolled,
         ``layer`` a Python int: every matmul reads its own weight array, at the price of a
@@ -184,7 +186,7 @@ class Decoder(nnx.Module):
 
         def block(carry, layer, weight: Callable[[str], jax.Array],
                   lin: Callable[[jax.Array, str], jax.Array],
-                  qkv: Callable[[jax.Array, Rope | None], tuple[jax.Array, ...]]):
+                  qkv: Callable[[jax.Array, Rope | None], tuple[jax.Array, ...]] | None):
             h, kv = carry
 
             def norm(a: jax.Array, name: str) -> jax.Array:

@@ -434,19 +434,19 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return PackedGemmImpl<kForm>(pool, x, w, layer, rows, Into(out));
 }
 
-// The norm argument of the forms that take one: f32[L, K] (layer ``layer``'s row normalizes
-// x first) or f32[0] (no norm). Null when x is not to be normed; false for a bad shape.
-bool NormOf(const ffi::Buffer<ffi::F32>& norm, const ffi::Buffer<ffi::F32>& x,
-            const ffi::Buffer<ffi::F32>& w, float eps, Extras& extra) {
+// The norm argument of the forms that take one, into ``extra``: f32[L, K] (layer
+// ``layer``'s row normalizes x first) or f32[0] (no norm); a bad shape is an error.
+ffi::Error NormOf(const ffi::Buffer<ffi::F32>& norm, const ffi::Buffer<ffi::F32>& x,
+                  const ffi::Buffer<ffi::F32>& w, float eps, Extras& extra) {
   auto nd = norm.dimensions();
-  if (nd.size() == 1 && nd[0] == 0) return true;
+  if (nd.size() == 1 && nd[0] == 0) return ffi::Error::Success();
   if (nd.size() != 2 || x.dimensions().size() != 2 || w.dimensions().size() != 4 ||
       nd[0] != w.dimensions()[0] || nd[1] != x.dimensions()[1] || !(eps >= 0.0f)) {
-    return false;
+    return ffi::Error::InvalidArgument("packed_gemm: the norm must be f32[L, K] or f32[0]");
   }
   extra.norm = norm.typed_data();
   extra.eps = eps;
-  return true;
+  return ffi::Error::Success();
 }
 
 // silu(norm(x) @ gate) * (norm(x) @ up): a SwiGLU MLP's first half with its RMSNorm (when
@@ -456,9 +456,7 @@ ffi::Error PackedGemmGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> norm,
                            ffi::ResultBuffer<ffi::F32> out, float eps) {
   Extras extra;
-  if (!NormOf(norm, x, w, eps, extra)) {
-    return ffi::Error::InvalidArgument("packed_gemm: the norm must be f32[L, K] or f32[0]");
-  }
+  if (ffi::Error bad = NormOf(norm, x, w, eps, extra); bad.failure()) return bad;
   return PackedGemmImpl<Form::kGated>(pool, x, w, layer, rows, Into(out, extra));
 }
 
@@ -474,9 +472,7 @@ ffi::Error PackedGemmQkv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::ResultBuffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> k,
                          ffi::ResultBuffer<ffi::F32> v, float eps) {
   Extras extra;
-  if (!NormOf(norm, x, w, eps, extra)) {
-    return ffi::Error::InvalidArgument("packed_gemm: the norm must be f32[L, K] or f32[0]");
-  }
+  if (ffi::Error bad = NormOf(norm, x, w, eps, extra); bad.failure()) return bad;
   extra.segments = 3;
   ffi::Result<ffi::Buffer<ffi::F32>>* parts[3] = {&q, &k, &v};
   const int64_t m = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;

@@ -16,6 +16,12 @@ The handler is built on first use with the system C++ compiler into the kernel c
 when called (AVX2 has two register tiles: whole-panel rows up to 16 rows, taller
 half-panel tiles above). ``packed_matmul_xla`` is the same contract in ``jnp`` (the tests' second
 oracle beside numpy, and the route on other platforms).
+
+Beside the plain product, a transformer block's other per-row work is done as tiles are
+stored, so that XLA runs no pass of its own over the activations in the layer loop: the
+gated form (SwiGLU), the residual form (the residual add, in place), and
+``packed_qkv`` (Q, K and V into three buffers, Q and K rotated: ``Rope``); the gated and QKV
+forms take the block's ``RmsNorm`` of x too.
 """
 
 from __future__ import annotations
