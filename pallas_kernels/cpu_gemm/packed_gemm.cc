@@ -306,19 +306,14 @@ int64_t RowBlock(int64_t k, int64_t m) {
 // -> out f32[M, n] (or Q, K, V f32[M, n_i]), P = ceil(n / 32) output panels.
 enum class Form { kPlain, kGated, kResidual };
 
-// Where the product goes and what a form adds to it: one buffer f32[M, n] or segments
-// (Problem::seg_*), the residual's data (kResidual), the rotary tables.
+// What a handler adds to the call: where the product goes (``dest``'s out and n, or its
+// segments, and its rotary tables; the call fills in the rest of the Problem), the rows it
+// must have, the residual's data (kResidual), the norm.
 struct Extras {
-  float* out = nullptr;  // with segments == 0
-  int64_t out_rows = 0, n = 0;
-  int segments = 0;
-  float* seg_out[Problem::kMaxSegments] = {};
-  int64_t seg_cols[Problem::kMaxSegments] = {};
+  Problem dest{};
+  int64_t out_rows = 0;
   const float* residual = nullptr;
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  int64_t half = 0, rope_cols = 0;
-  const float* norm = nullptr;  // f32[K]: x RMS-normed by this weight first (null: not)
+  const float* norm = nullptr;  // f32[L, K]: x RMS-normed by layer's row first (null: not)
   float eps = 0.0f;
 };
 
@@ -366,11 +361,13 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "packed_gemm: x must be f32[M, K], w f32[L, P, K, 32], out f32[M, n]");
   }
   const int64_t weight_panels = wd[1];
-  Problem pr{x.typed_data(), nullptr, extra.out, xd[0], xd[1], extra.n,
-             kGated ? weight_panels / 2 : weight_panels, kGated, kAdd,
-             extra.cos, extra.sin, extra.half, extra.rope_cols, extra.segments};
-  std::copy(extra.seg_out, extra.seg_out + Problem::kMaxSegments, pr.seg_out);
-  std::copy(extra.seg_cols, extra.seg_cols + Problem::kMaxSegments, pr.seg_cols);
+  Problem pr = extra.dest;
+  pr.x = x.typed_data();
+  pr.m = xd[0];
+  pr.k = xd[1];
+  pr.panels = kGated ? weight_panels / 2 : weight_panels;
+  pr.gated = kGated;
+  pr.add = kAdd;
   if (wd[2] != pr.k || extra.out_rows != pr.m || pr.n > pr.panels * kPanel ||
       pr.n <= (pr.panels - 1) * kPanel || (kGated && weight_panels % 2)) {
     return ffi::Error::InvalidArgument("packed_gemm: inconsistent shapes");
@@ -418,20 +415,19 @@ ffi::Error PackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// One result buffer f32[M, n] (null extras: a plain or gated product).
+// ``extra`` with one result buffer f32[M, n] as where the product goes.
 Extras Into(ffi::Result<ffi::Buffer<ffi::F32>>& out, Extras extra = {}) {
   auto od = out->dimensions();
-  extra.out = out->typed_data();
+  extra.dest.out = out->typed_data();
   extra.out_rows = od.size() == 2 ? od[0] : -1;
-  extra.n = od.size() == 2 ? od[1] : 0;
+  extra.dest.n = od.size() == 2 ? od[1] : 0;
   return extra;
 }
 
-template <Form kForm>
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
                       ffi::ResultBuffer<ffi::F32> out) {
-  return PackedGemmImpl<kForm>(pool, x, w, layer, rows, Into(out));
+  return PackedGemmImpl<Form::kPlain>(pool, x, w, layer, rows, Into(out));
 }
 
 // The norm argument of the forms that take one, into ``extra``: f32[L, K] (layer
@@ -473,7 +469,8 @@ ffi::Error PackedGemmQkv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::ResultBuffer<ffi::F32> v, float eps) {
   Extras extra;
   if (ffi::Error bad = NormOf(norm, x, w, eps, extra); bad.failure()) return bad;
-  extra.segments = 3;
+  Problem& dest = extra.dest;
+  dest.segments = 3;
   ffi::Result<ffi::Buffer<ffi::F32>>* parts[3] = {&q, &k, &v};
   const int64_t m = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;
   for (int i = 0; i < 3; ++i) {
@@ -482,9 +479,9 @@ ffi::Error PackedGemmQkv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       return ffi::Error::InvalidArgument(
           "packed_gemm: Q, K and V must be f32[M, n_i], each n_i a multiple of 32");
     }
-    extra.seg_out[i] = (*parts[i])->typed_data();
-    extra.seg_cols[i] = d[1];
-    extra.n += d[1];
+    dest.seg_out[i] = (*parts[i])->typed_data();
+    dest.seg_cols[i] = d[1];
+    dest.n += d[1];
   }
   extra.out_rows = m;
   auto cd = cos.dimensions();
@@ -492,16 +489,16 @@ ffi::Error PackedGemmQkv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       sin.dimensions()[1] != cd[1] || cd[0] != m) {
     return ffi::Error::InvalidArgument("packed_gemm: cos and sin must be f32[M, half]");
   }
-  extra.half = cd[1];
-  if (extra.half > 0) {
-    extra.rope_cols = extra.seg_cols[0] + extra.seg_cols[1];
-    if (extra.half % kPanel != 0 || extra.seg_cols[0] % (2 * extra.half) != 0 ||
-        extra.seg_cols[1] % (2 * extra.half) != 0) {
+  dest.half = cd[1];
+  if (dest.half > 0) {
+    dest.rope_cols = dest.seg_cols[0] + dest.seg_cols[1];
+    if (dest.half % kPanel != 0 || dest.seg_cols[0] % (2 * dest.half) != 0 ||
+        dest.seg_cols[1] % (2 * dest.half) != 0) {
       return ffi::Error::InvalidArgument(
           "packed_gemm: rotary halves must be whole panels of 32, Q and K whole heads");
     }
-    extra.cos = cos.typed_data();
-    extra.sin = sin.typed_data();
+    dest.cos = cos.typed_data();
+    dest.sin = sin.typed_data();
   }
   return PackedGemmImpl<Form::kPlain>(pool, x, w, layer, rows, extra);
 }
@@ -531,7 +528,7 @@ auto PackedGemmBinding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm<Form::kPlain>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConfluxPackedGemm, PackedGemm,
                               PackedGemmBinding().Ret<ffi::Buffer<ffi::F32>>());
 // silu(x @ gate) * (x @ up) (a SwiGLU MLP's first half) in one pass: the gate and up
 // panels of each 32 output columns interleaved in w.
