@@ -1,7 +1,7 @@
 """``python -m conflux_jax.bench serve``: replay a workload against a server or the engine.
 
 Targets: ``--url http://host:port`` streams OpenAI ``/v1/completions`` (token-id prompts,
-``ignore_eos``, usage in the last chunk) with httpx; without ``--url`` the in-process
+``ignore_eos``, usage in the last chunk) with aiohttp; without ``--url`` the in-process
 :class:`~conflux_jax.engine.Engine` serves the same requests on this machine. Each rate
 of ``--rates`` is one run; prints vLLM's ``bench serve`` summary per rate plus
 ``deadline_attainment`` and, over the rates (and ``--bisect`` extra runs between the
@@ -167,15 +167,15 @@ async def _stream(client: Any, url: str, model: str, prompt: list[int], max_toke
     chunks = 0
     usage = None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with client.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.content:  # SSE: one event per "data:" line
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 d = json.loads(data)
                 if d.get("usage"):
@@ -195,19 +195,23 @@ async def _stream(client: Any, url: str, model: str, prompt: list[int], max_toke
         res.error = f"{type(e).__name__}: {e}"
 
 
-def run_server(url: str, model: str, reqs: list[ServeRequest], timeout_s: float = 600.0,
-               transport: Any = None) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival offset over one connection pool."""
-    import httpx
+def run_server(url: str, model: str, reqs: list[ServeRequest], timeout_s: float = 600.0
+               ) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival offset, each on its own pooled connection.
+
+    The client shares the host's cores with the server it measures, so it is aiohttp (a C
+    HTTP parser; vLLM's ``bench serve`` client too): about a third of httpx's CPU per
+    streamed chunk (bench/RESULTS.md)."""
+    import aiohttp
 
     async def go() -> tuple[list[RequestResult], float]:
         results = [RequestResult(0.0, len(r.prompt_ids)) for r in reqs]
         sent: dict[int, list[int]] = {}
         outputs: dict[int, list[int]] = {}
         ended = {i: asyncio.Event() for i in range(len(reqs))}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=timeout_s, limits=limits,
-                                     transport=transport) as client:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),  # no cap: every request streams
+                timeout=aiohttp.ClientTimeout(total=timeout_s)) as client:
             t0 = time.perf_counter()
             await asyncio.gather(*(_one(client, url.rstrip("/"), model, reqs, i, t0,
                                         results, sent, outputs, ended)

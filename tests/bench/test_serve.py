@@ -1,11 +1,16 @@
 """bench serve: the in-process engine driver (tiny model), the streaming client (mock
 server), the rate sweep and the CLI end to end on the tiny engine."""
 
+import asyncio
+import contextlib
 import json
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 
-import httpx
 import jax
 import pytest
+from aiohttp import web
 from shared_data import needs_traces
 from tiny_models import TINY_LLAMA
 
@@ -51,8 +56,31 @@ def test_run_engine_streams_every_token() -> None:
     assert m["deadline_attainment"] == 1.0 and m["total_output_tokens"] == 30
 
 
-def _sse(request: httpx.Request) -> httpx.Response:
-    body = json.loads(request.content)
+@contextlib.contextmanager
+def http_server(handler: Callable[[web.Request], Awaitable[web.Response]]) -> Iterator[str]:
+    """A real HTTP server on a local port (aiohttp.web on its own thread) that answers
+    ``POST /v1/completions`` with ``handler``; yields its base URL."""
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+async def _sse(request: web.Request) -> web.Response:
+    body = await request.json()
     assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
     n = body["max_tokens"]
     chunks = [{"choices": [{"index": 0, "text": f" t{i}", "token_ids": [50 + i]}]}
@@ -62,20 +90,25 @@ def _sse(request: httpx.Request) -> httpx.Response:
                                             "completion_tokens": n,
                                             "prompt_tokens_details": {"cached_tokens": cached}}})
     text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-    return httpx.Response(200, content=text.encode(),
-                          headers={"content-type": "text/event-stream"})
+    return web.Response(text=text, content_type="text/event-stream")
+
+
+async def _boom(request: web.Request) -> web.Response:
+    return web.Response(status=500, text="boom")
 
 
 def test_run_server_parses_openai_stream() -> None:
     reqs = [ServeRequest(0.0, [5, 6, 7], 3), ServeRequest(0.01, [8] * 9, 5)]
-    results, _ = serve.run_server("http://mock", "m", reqs, transport=httpx.MockTransport(_sse))
+    with http_server(_sse) as url:
+        results, _ = serve.run_server(url, "m", reqs)
     assert [r.output_len for r in results] == [3, 5]
     assert [len(r.token_times) for r in results] == [3, 5]
+    assert [r.output_ids for r in results] == [[50, 51, 52], [50, 51, 52, 53, 54]]
     assert all(r.success and r.input_len > 0 for r in results)
 
-    failing = httpx.MockTransport(lambda req: httpx.Response(500, text="boom"))
-    (bad,), _ = serve.run_server("http://mock", "m", reqs[:1], transport=failing)
-    assert not bad.success and "500" in bad.error
+    with http_server(_boom) as url:
+        (bad,), _ = serve.run_server(url, "m", reqs[:1])
+    assert not bad.success and "500" in bad.error and "boom" in bad.error
 
 
 def test_sweep_bisects_to_goodput() -> None:
@@ -110,7 +143,8 @@ def test_serve_cli_in_process_on_conversation_trace(tmp_path, monkeypatch, capsy
 def test_run_server_sends_follow_up_turns_with_the_answers_it_got() -> None:
     reqs = [ServeRequest(0.0, [5, 6, 7], 2), ServeRequest(0.0, [9], 3, follows=0),
             ServeRequest(0.0, [8], 1, follows=1)]
-    results, _ = serve.run_server("http://mock", "m", reqs, transport=httpx.MockTransport(_sse))
+    with http_server(_sse) as url:
+        results, _ = serve.run_server(url, "m", reqs)
     assert [r.prompt_ids for r in results] == [[5, 6, 7], [5, 6, 7, 50, 51, 9],
                                                [5, 6, 7, 50, 51, 9, 50, 51, 52, 8]]
     assert all(b.send_s >= a.token_times[-1] for a, b in zip(results, results[1:], strict=False))
