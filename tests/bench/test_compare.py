@@ -25,9 +25,11 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
                  "--vllm-python", str(tmp_path / "no-vllm" / "python"),
                  # our server, started by compare, warms up every bucket: few of them
                  "--server-args", "--token-buckets 8 --decode-buckets 4 --decode-page-buckets 16"
-                 " --page-size 8 --num-pages 32", "--json", str(out)]) == 0
+                 " --page-size 8 --num-pages 32",
+                 # the other test worker keeps a core busy: no run would find the host quiet
+                 "--quiet-wait-s", "0", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert [r["concurrency"] for r in d["rows"]] == [1, 3]
+    assert [r["concurrency"] for r in d["rows"]] == [1, 3] and d["quiet_wait_s"] == 0
     assert d["peers"] == ["hf", "server"] and "llama.cpp" in d["skipped_peers"]  # GGUF only
     assert "setup_peer_vllm.sh" in d["skipped_peers"]["vllm"]  # says how to get it
     for row in d["rows"]:

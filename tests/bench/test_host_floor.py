@@ -47,3 +47,14 @@ def test_packed_sgemm_is_timed_when_it_runs():
 
     t = packed_sgemm_seconds(4, 64, 96, repeats=2)
     assert (0 < t < 1) if packed_gemm_available()[0] else t == float("inf")
+
+
+def test_isa_caps_are_the_set_cap_variables_and_xlas_max_isa():
+    from conflux_jax.bench.host_floor import isa_caps
+
+    env = {"CONFLUX_GEMM_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_max_isa=AVX2",
+           "HOME": "/root"}
+    assert isa_caps(env) == {"CONFLUX_GEMM_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                             "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+    assert isa_caps({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) == {}

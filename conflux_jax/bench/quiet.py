@@ -1,0 +1,62 @@
+"""Wait for the host to go quiet before a measured run.
+
+Systems measured one after another share the cores, and some keep them busy after their
+run ends: vLLM-CPU's server spent about half a core for a second or more after each
+`compare` run (its OpenMP workers spin), so whichever system ran next lost part of a core.
+``wait_quiet`` polls the kernel's CPU counters (``/proc/stat``) until a short window is
+nearly idle, or gives up after ``max_wait_s``; on a host without them it returns at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_ticks(text: str) -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs from ``/proc/stat``'s text: idle and iowait are
+    not busy; guest time is already counted in user and nice."""
+    fields = [int(v) for v in text.splitlines()[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+    return total - fields[3] - fields[4], total
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of all CPUs' time that was busy between two ``cpu_ticks`` readings."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def _read_stat() -> str | None:
+    try:
+        return PROC_STAT.read_text()
+    except OSError:
+        return None
+
+
+def wait_quiet(busy_below: float = 0.1, window_s: float = 0.2, max_wait_s: float = 5.0,
+               read: Callable[[], str | None] = _read_stat,
+               sleep: Callable[[float], None] = time.sleep) -> float:
+    """Block until a ``window_s`` window has all CPUs busy less than ``busy_below`` of the
+    time (at most ``max_wait_s``); returns the last window's busy fraction (0.0 where
+    ``/proc/stat`` cannot be read)."""
+    text = read()
+    if text is None:
+        return 0.0
+    before = cpu_ticks(text)
+    waited, busy = 0.0, 1.0
+    while waited < max_wait_s:
+        sleep(window_s)
+        waited += window_s
+        text = read()
+        if text is None:
+            return 0.0
+        after = cpu_ticks(text)
+        busy = busy_fraction(before, after)
+        if busy < busy_below:
+            break
+        before = after
+    return busy
