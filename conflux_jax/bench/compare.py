@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {row[n]['client_cpu_s']:.2f} s of {row[n]['wall_s']:.2f} s" for n in http)
             for row in rows))
     h = rows[-1]["host_floor"]
-    caps = "".join(f"; ISA capped: {k}={v}" for k, v in h["isa_caps"].items())
+    caps = ", ".join(f"{k}={v}" for k, v in h["isa_caps"].items())
+    caps = f"; ISA capped: {caps}" if caps else ""
     print(f"host: {h['cpu']}; {' '.join(h['isa'])}; copy {h['copy_gbs']:.1f} GB/s{caps}")
     for row in rows:
         f = row["host_floor"]
