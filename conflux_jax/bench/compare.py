@@ -391,13 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     for c in tqdm(args.concurrency, desc="concurrency"):
         run_ours(requests(prompts_for(c, "warmup")))  # unmeasured: compiles its shapes
         runs: dict[str, list[Measure]] = {"ours": []} | {p.name: [] for p in peers}
+        waits: dict[str, list[float]] = {name: [] for name in runs}  # for a quiet host, s
         bounds = []
         for r in range(args.repeats):  # interleaved so slow phases hit every system
             batch = prompts_for(c, str(r))  # the same prompts for every system
-            wait_quiet(max_wait_s=args.quiet_wait_s)
+            waits["ours"].append(wait_quiet(max_wait_s=args.quiet_wait_s).waited_s)
             runs["ours"].append(Measure.from_results(*run_ours(requests(batch))))
             for peer in peers:
-                wait_quiet(max_wait_s=args.quiet_wait_s)
+                waits[peer.name].append(wait_quiet(max_wait_s=args.quiet_wait_s).waited_s)
                 m = Measure.from_results(*peer.run(batch, args.max_tokens))
                 if isinstance(peer, ServerPeer):
                     m = dataclasses.replace(m, client_cpu_s=peer.client_cpu_s)
@@ -406,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                 bounds.append(bound(c))
         rows.append({"concurrency": c, **{k: best(v) for k, v in runs.items()},
                      "runs_tokens_per_s": {k: [m.tokens_per_s for m in v]
-                                           for k, v in runs.items()}})
+                                           for k, v in runs.items()},
+                     "quiet_waits_s": waits})
         if bounds:
             rows[-1]["dense_bound"] = max(bounds, key=lambda b: b.tokens_per_s).as_dict()
         # Every row records this host's floor for a decode step of c rows (issue 19:
@@ -456,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['concurrency']} streams " + ", ".join(
                 f"{n} {row[n]['client_cpu_s']:.2f} s of {row[n]['wall_s']:.2f} s" for n in http)
             for row in rows))
+    if args.quiet_wait_s > 0:  # a system that leaves the cores busy delays the next one
+        print("waited for a quiet host before each system's runs (s, all levels): " + ", ".join(
+            f"{name} {sum(sum(row['quiet_waits_s'][name]) for row in rows):.1f}"
+            for name in rows[0]["quiet_waits_s"]))
     h = rows[-1]["host_floor"]
     caps = ", ".join(f"{k}={v}" for k, v in h["isa_caps"].items())
     caps = f"; ISA capped: {caps}" if caps else ""

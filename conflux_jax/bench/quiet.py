@@ -9,6 +9,7 @@ nearly idle, or gives up after ``max_wait_s``; on a host without them it returns
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,15 +38,20 @@ def _read_stat() -> str | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Quiet:
+    busy: float  # the last window's busy fraction (0.0 where /proc/stat cannot be read)
+    waited_s: float  # how long the wait took
+
+
 def wait_quiet(busy_below: float = 0.1, window_s: float = 0.2, max_wait_s: float = 5.0,
                read: Callable[[], str | None] = _read_stat,
-               sleep: Callable[[float], None] = time.sleep) -> float:
+               sleep: Callable[[float], None] = time.sleep) -> Quiet:
     """Block until a ``window_s`` window has all CPUs busy less than ``busy_below`` of the
-    time (at most ``max_wait_s``); returns the last window's busy fraction (0.0 where
-    ``/proc/stat`` cannot be read)."""
+    time, or ``max_wait_s`` has passed."""
     text = read()
     if text is None:
-        return 0.0
+        return Quiet(0.0, 0.0)
     before = cpu_ticks(text)
     waited, busy = 0.0, 1.0
     while waited < max_wait_s:
@@ -53,10 +59,10 @@ def wait_quiet(busy_below: float = 0.1, window_s: float = 0.2, max_wait_s: float
         waited += window_s
         text = read()
         if text is None:
-            return 0.0
+            return Quiet(0.0, waited)
         after = cpu_ticks(text)
         busy = busy_fraction(before, after)
         if busy < busy_below:
             break
         before = after
-    return busy
+    return Quiet(busy, waited)

@@ -46,6 +46,8 @@ def test_compare_prints_ratio_table(tmp_path, capsys) -> None:
         runs = row["runs_tokens_per_s"]  # every round's figure, the best one among them
         assert len(runs["ours"]) == len(runs["server"]) == 2  # --repeats' default
         assert row["ours"]["tokens_per_s"] == max(runs["ours"])
+        assert row["quiet_waits_s"] == {"ours": [0.0, 0.0], "hf": [0.0, 0.0],
+                                        "server": [0.0, 0.0]}  # --quiet-wait-s 0
         # paired: the median over rounds of ours / peer within the round
         assert row["ratio_vs_server"]["tokens_per_s_paired"] == pytest.approx(
             (runs["ours"][0] / runs["server"][0] + runs["ours"][1] / runs["server"][1]) / 2)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conflux_jax.bench.quiet import busy_fraction, cpu_ticks, wait_quiet
+from conflux_jax.bench.quiet import Quiet, busy_fraction, cpu_ticks, wait_quiet
 
 
 def stat(user: int, system: int, idle: int, iowait: int = 0, steal: int = 0) -> str:
@@ -26,22 +26,24 @@ def test_busy_fraction_between_two_readings():
 def test_wait_stops_at_the_first_quiet_window():
     readings = iter([stat(0, 0, 0), stat(90, 0, 10), stat(180, 0, 20), stat(182, 0, 118)])
     slept: list[float] = []
-    busy = wait_quiet(busy_below=0.1, window_s=0.2, read=lambda: next(readings),
-                      sleep=slept.append)
-    assert busy == pytest.approx(2 / 100) and slept == [0.2, 0.2, 0.2]
+    q = wait_quiet(busy_below=0.1, window_s=0.2, read=lambda: next(readings),
+                   sleep=slept.append)
+    assert q.busy == pytest.approx(2 / 100) and slept == [0.2, 0.2, 0.2]
+    assert q.waited_s == pytest.approx(0.6)
 
 
 def test_wait_gives_up_after_max_wait():
     ticks = iter(range(0, 10**6, 100))
     slept: list[float] = []
-    busy = wait_quiet(window_s=0.5, max_wait_s=2.0, read=lambda: stat(next(ticks), 0, 0),
-                      sleep=slept.append)
-    assert busy == 1.0 and slept == [0.5] * 4
+    q = wait_quiet(window_s=0.5, max_wait_s=2.0, read=lambda: stat(next(ticks), 0, 0),
+                   sleep=slept.append)
+    assert q == Quiet(1.0, 2.0) and slept == [0.5] * 4
 
 
 def test_no_counters_no_wait():
     slept: list[float] = []
-    assert wait_quiet(read=lambda: None, sleep=slept.append) == 0.0 and slept == []
+    assert wait_quiet(read=lambda: None, sleep=slept.append) == Quiet(0.0, 0.0)
+    assert slept == []
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat")
