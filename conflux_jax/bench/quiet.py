@@ -1,8 +1,8 @@
 """Wait for the host to go quiet before a measured run.
 
 Systems measured one after another share the cores, and some keep them busy after their
-run ends: vLLM-CPU's server spent about half a core for a second or more after each
-`compare` run (its OpenMP workers spin), so whichever system ran next lost part of a core.
+run ends: vLLM-CPU's server spent half a core for the 2 s after a 16-stream `compare` run
+(1% when idle), so whichever system ran next lost part of a core.
 ``wait_quiet`` polls the kernel's CPU counters (``/proc/stat``) until a short window is
 nearly idle, or gives up after ``max_wait_s``; on a host without them it returns at once.
 """
@@ -40,7 +40,7 @@ def _read_stat() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Quiet:
-    busy: float  # the last window's busy fraction (0.0 where /proc/stat cannot be read)
+    busy: float  # the last window's busy fraction: 0.0 without /proc/stat, 1.0 if none ran
     waited_s: float  # how long the wait took
 
 
