@@ -1,5 +1,7 @@
 """Tiny model configs shared by the tests (fast to compile and run on 2 CPU cores)."""
 
+import dataclasses
+
 from conflux_jax.config import ModelConfig, RopeScaling
 from conflux_jax.executor.buckets import BucketConfig
 
@@ -23,12 +25,8 @@ TINY_SMOL = ModelConfig(
 
 # Heads of 64 (SmolLM2's; Llama 3's are 128): whole 32-column panels per half head, so the
 # packed QKV GEMM applies RoPE itself.
-TINY_LLAMA_D64 = ModelConfig(
-    architecture="llama", vocab_size=256, hidden_size=96, intermediate_size=128, num_layers=2,
-    num_heads=3, num_kv_heads=1, head_dim=64, rope_theta=500000.0,
-    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=64),
-    max_position_embeddings=512, tie_word_embeddings=False, eos_token_ids=(2,))
+TINY_LLAMA_D64 = dataclasses.replace(TINY_LLAMA, hidden_size=96, num_heads=3, num_kv_heads=1,
+                                     head_dim=64)
 
 # An executor with three step shapes (decode only, prefill, prefill + KV transfer) for
 # tests that compile the real step; tests that share it share compiled executables.

@@ -32,7 +32,7 @@ from conflux_jax.models.params import (
     param_shapes,
     validate_params,
 )
-from conflux_jax.models.rope import apply_rope, inverse_frequencies
+from conflux_jax.models.rope import apply_rope, inverse_frequencies, rope_angles
 from pallas_kernels.cpu_gemm import PANEL, RmsNorm, Rope, packed_matmul, packed_qkv, stacked_matmul
 
 KV = TypeVar("KV")  # whatever KV state an attention backend carries through the layers
@@ -178,7 +178,7 @@ class Decoder(nnx.Module):
         qkv_apart = fuse_norms and all(w % PANEL == 0 for w in widths["wqkv"])
         rope = None
         if qkv_apart and not cfg.qk_norm and head_dim % (2 * PANEL) == 0:
-            freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # f32[..., d/2]
+            freqs = rope_angles(positions, inv_freq)  # f32[..., d/2]
             rope = Rope(jnp.cos(freqs), jnp.sin(freqs))
         unrolled = isinstance(self.layers, nnx.List)
         if unrolled and linears == "blas":

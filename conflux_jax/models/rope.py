@@ -34,12 +34,19 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
+def rope_angles(
+    positions: jax.Array,  # i32[...]
+    inv_freq: jax.Array,  # f32[d/2]
+) -> jax.Array:  # f32[..., d/2]: each position's angle per frequency
+    return positions.astype(jnp.float32)[..., None] * inv_freq
+
+
 def apply_rope(
     x: jax.Array,  # f[..., H, d]
     positions: jax.Array,  # i32[...]
     inv_freq: jax.Array,  # f32[d/2]
 ) -> jax.Array:  # f[..., H, d], same dtype as x
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # f32[..., d/2]
+    freqs = rope_angles(positions, inv_freq)  # f32[..., d/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # f32[..., 1, d]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     half = x.shape[-1] // 2

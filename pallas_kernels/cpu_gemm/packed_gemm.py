@@ -160,6 +160,22 @@ def _norm_args(norm: RmsNorm | None, wp: jax.Array, k: int) -> tuple[jax.Array, 
     return norm.operand(wp, k), float(norm.eps)
 
 
+def _operands(op: str, x: jax.Array, wp: jax.Array, n: int, gated: bool,
+              layer: jax.Array | int, rows: jax.Array | int | None
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Every handler's first four operands, checked, with the handler loaded: x f32[M, K]
+    (leading axes flattened), w f32[L, P, K, 32] (one matrix as L = 1), layer i32[1] and
+    the live rows i32[1] (all M when ``rows`` is None)."""
+    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
+        raise ValueError(f"{op} is fp32 only, got {x.dtype} @ {wp.dtype}")
+    _check(x, wp, n, gated)
+    _load()
+    m = math.prod(x.shape[:-1])
+    live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
+    return (x.reshape(m, x.shape[-1]), wp[None] if wp.ndim == 3 else wp,
+            jnp.asarray(layer, jnp.int32).reshape(1), live)
+
+
 def packed_matmul(
     x: jax.Array,  # f32[..., K]
     wp: jax.Array,  # f32[L, P, K, 32] stacked layers, or f32[P, K, 32] one matrix
@@ -181,22 +197,14 @@ def packed_matmul(
     call (a block's MLP norm without a pass of XLA's own)."""
     if norm is not None and not gated:
         raise ValueError("packed_matmul: norm is for the gated product (and packed_qkv)")
-    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
-        raise ValueError(f"packed_matmul is fp32 only, got {x.dtype} @ {wp.dtype}")
-    _check(x, wp, n, gated)
-    lead = x.shape[:-1]
+    args = _operands("packed_matmul", x, wp, n, gated, layer, rows)
+    wp, m, lead = args[1], args[0].shape[0], x.shape[:-1]
     if residual is not None:
         if gated:
             raise ValueError("packed_matmul: a gated product takes no residual")
         if residual.shape != (*lead, n) or residual.dtype != jnp.float32:
             raise ValueError(f"packed_matmul: the residual must be f32{[*lead, n]}, got "
                              f"{residual.dtype}{list(residual.shape)}")
-    _load()
-    if wp.ndim == 3:
-        wp = wp[None]
-    m = math.prod(lead)
-    live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
-    args = (x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live)
     result = jax.ShapeDtypeStruct((m, n), jnp.float32)
     if residual is not None:
         call = jax.ffi.ffi_call(RESIDUAL_TARGET, result, input_output_aliases={4: 0})
@@ -222,14 +230,10 @@ def packed_qkv(
     three parts, each tile stored straight into its own buffer, Q and K rotated as they are
     stored when ``rope`` is given, of x's rows RMS-normed inside the call when ``norm`` is:
     no slicing of one output afterwards, no RoPE pass and no norm pass."""
-    n = sum(widths)
-    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
-        raise ValueError(f"packed_qkv is fp32 only, got {x.dtype} @ {wp.dtype}")
-    _check(x, wp, n, False)
+    args = _operands("packed_qkv", x, wp, sum(widths), False, layer, rows)
     if len(widths) != 3 or any(w <= 0 or w % PANEL for w in widths):
         raise ValueError(f"packed_qkv: widths {widths} must be three multiples of {PANEL}")
-    lead = x.shape[:-1]
-    m = math.prod(lead)
+    lead, m = x.shape[:-1], args[0].shape[0]
     if rope is not None:
         half = rope.cos.shape[-1]
         if rope.cos.shape != (*lead, half) or rope.sin.shape != rope.cos.shape:
@@ -241,15 +245,10 @@ def packed_qkv(
         cos, sin = rope.cos.reshape(m, half), rope.sin.reshape(m, half)
     else:
         cos = sin = jnp.zeros((m, 0), jnp.float32)
-    _load()
-    if wp.ndim == 3:
-        wp = wp[None]
-    weight, eps = _norm_args(norm, wp, x.shape[-1])
-    live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(1)
+    weight, eps = _norm_args(norm, args[1], x.shape[-1])
     results = tuple(jax.ShapeDtypeStruct((m, w), jnp.float32) for w in widths)
-    q, k, v = jax.ffi.ffi_call(QKV_TARGET, results)(
-        x.reshape(m, x.shape[-1]), wp, jnp.asarray(layer, jnp.int32).reshape(1), live, cos, sin,
-        weight, eps=np.float32(eps))
+    q, k, v = jax.ffi.ffi_call(QKV_TARGET, results)(*args, cos, sin, weight,
+                                                    eps=np.float32(eps))
     return tuple(p.reshape(*lead, w) for p, w in zip((q, k, v), widths, strict=True))
 
 
