@@ -4,7 +4,10 @@
 // per layer, attention per layer), each a few hundred microseconds at decode sizes. XLA's
 // pool parks its idle threads, and on a VM a parked vCPU took 50-400 us to wake (measured:
 // the second core joined a 500 us GEMM late or not at all). These workers spin after each
-// call, yielding to any runnable thread, before they sleep: within a step they are awake.
+// call, yielding to any runnable thread, before they sleep: within a step they are awake,
+// and across the step boundary too (the sampler, the host's launch of the next step: ~1 ms
+// at one decode row). With 1 ms they slept about once a step there, and the next step's
+// first call paid their wake-up (bench/RESULTS.md).
 #include "cpu_parallel.h"
 
 #include <unistd.h>
@@ -108,12 +111,12 @@ class SpinPool {
 
 }  // namespace
 
-// $CONFLUX_SPIN_US: how long a worker spins after a call before it sleeps (default 1 ms).
+// $CONFLUX_SPIN_US: how long a worker spins after a call before it sleeps (default 5 ms).
 extern "C" bool ConfluxRunPartsV1(int threads, int64_t parts, Fn fn, void* ctx) {
   // Never destroyed: detached workers use it until the process exits.
   static SpinPool* pool = [threads] {
     const char* env = std::getenv("CONFLUX_SPIN_US");
-    return new SpinPool(threads, env ? std::atoll(env) : 1000);
+    return new SpinPool(threads, env ? std::atoll(env) : 5000);
   }();
   return pool->Run(parts, fn, ctx);
 }

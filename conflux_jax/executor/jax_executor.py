@@ -471,6 +471,14 @@ class JaxExecutor:
             return jax.device_put(tree, shardings)
         return put_global(tree, shardings)
 
+    def _send(self, tree: Any, shardings: Any) -> Any:
+        """A step's host inputs as its compiled call takes them. In a single process the
+        numpy arrays themselves: the call moves them to the mesh on its own C++ path (one
+        device: ~2 us for the step's packed buffers, against ~45 us for a ``device_put``
+        of them apart, which took ~0.4 ms inside a serving step, while the device waited
+        for the step's launch). Across processes, each one's own slices (``_put``)."""
+        return tree if self.process_count == 1 else self._put(tree, shardings)
+
     @property
     def builds_ahead(self) -> bool:
         """Can :meth:`build` make steps ahead? In a single process: the other processes
@@ -585,13 +593,13 @@ class JaxExecutor:
         """The forward's part of a host batch (``rank``, ``shared``) onto the mesh: one
         packed buffer each, not one transfer (of one shard per device) per array."""
         packed = pack_forward(batch)
-        return self._put(packed, self._packed_shardings(packed))
+        return self._send(packed, self._packed_shardings(packed))
 
     def _put_sample(self, sample: SampleRows) -> PackedSample:
         """The sampler's rows onto the mesh (small fields packed); the large buffers that
         are already the executor's device-resident padding stay as they are."""
         packed, on_host = self._pack_sample(sample)
-        return packed._replace(**self._put(on_host, self._packed_shardings(on_host)))
+        return packed._replace(**self._send(on_host, self._packed_shardings(on_host)))
 
     @staticmethod
     def _pack_sample(sample: SampleRows) -> tuple[PackedSample, dict[str, np.ndarray]]:
@@ -627,8 +635,8 @@ class JaxExecutor:
 
     def _put_packed(self, packed: _PackedInputs) -> DeviceInputs:
         forward, sample, on_host = packed
-        forward, on_host = self._put((forward, on_host), (self._packed_shardings(forward),
-                                                          self._packed_shardings(on_host)))
+        forward, on_host = self._send((forward, on_host), (self._packed_shardings(forward),
+                                                           self._packed_shardings(on_host)))
         return DeviceInputs(forward, sample._replace(**on_host))
 
     def compiled_step(self, shape: StepShape) -> tuple[Any, Any]:

@@ -89,7 +89,7 @@ def test_gemm_and_attention_share_the_workers():
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
 def test_idle_workers_sleep():
     """A while after the last call the workers are parked: the process burns no CPU idle
-    (they spin $CONFLUX_SPIN_US, 1 ms by default, after each call)."""
+    (they spin $CONFLUX_SPIN_US, 5 ms by default, after each call)."""
     x, w = _gemm_case(9, 64, 512, 1024)
     _check_gemm(x, w, jnp.asarray(pack_weight(w)))
     time.sleep(0.2)
