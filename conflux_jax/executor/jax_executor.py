@@ -1,8 +1,9 @@
 """The real executor: runs ``IterationPlan``s on a device mesh with AOT-compiled buckets.
 
 It reads nothing but the plan (tokens, page ids, sampling parameters): the host packs the
-plan into one :class:`~conflux_jax.executor.batch.StepBatch`, sends it with one
-``device_put`` and runs the compiled step of the plan's bucket.
+plan into one :class:`~conflux_jax.executor.batch.StepBatch`, packs it into a few int32
+buffers and runs the compiled step of the plan's bucket on them (the call moves them to the
+mesh).
 
 In a multi-process instance (``distributed.py``) every process holds one of these over the
 same global mesh. Process 0 runs ``execute`` and posts each host batch to the others
@@ -241,8 +242,9 @@ CPU_NUM_PAGES = 256  # per rank, when a CPU is not asked to size the pool from m
 
 
 class DeviceInputs(NamedTuple):
-    """One step's inputs on the mesh: the forward's (after the weights and the pools) and
-    the sampler's (after the logits)."""
+    """One step's inputs as its compiled calls take them (host buffers in a single process,
+    which the call moves; global arrays across processes): the forward's (after the weights
+    and the pools) and the sampler's (after the logits)."""
 
     forward: tuple[Any, ...]
     sample: Any
@@ -590,14 +592,15 @@ class JaxExecutor:
 
     # ------------------------------------------------------------------ compilation
     def _put_forward(self, batch: StepBatch) -> tuple[Packed, Packed]:
-        """The forward's part of a host batch (``rank``, ``shared``) onto the mesh: one
-        packed buffer each, not one transfer (of one shard per device) per array."""
+        """The forward's part of a host batch (``rank``, ``shared``) for its call
+        (``_send``): one packed buffer each, not one transfer (of one shard per device)
+        per array."""
         packed = pack_forward(batch)
         return self._send(packed, self._packed_shardings(packed))
 
     def _put_sample(self, sample: SampleRows) -> PackedSample:
-        """The sampler's rows onto the mesh (small fields packed); the large buffers that
-        are already the executor's device-resident padding stay as they are."""
+        """The sampler's rows for its call (``_send``; small fields packed); the large
+        buffers that are already the executor's device-resident padding stay as they are."""
         packed, on_host = self._pack_sample(sample)
         return packed._replace(**self._send(on_host, self._packed_shardings(on_host)))
 
@@ -626,8 +629,8 @@ class JaxExecutor:
         return jax.tree.map(sharding, packed, is_leaf=lambda x: isinstance(x, Packed))
 
     def device_inputs(self, host: StepBatch) -> DeviceInputs:
-        """A host batch on the mesh, as the compiled forward and sampler take it: the
-        forward's and the sampler's buffers in one batched transfer."""
+        """A host batch as the compiled forward and sampler take it (``_send``): the
+        forward's and the sampler's buffers, packed."""
         return self._put_packed(self._pack(host))
 
     def _pack(self, host: StepBatch) -> _PackedInputs:
