@@ -473,13 +473,16 @@ class JaxExecutor:
             return jax.device_put(tree, shardings)
         return put_global(tree, shardings)
 
-    def _send(self, tree: Any, shardings: Any) -> Any:
-        """A step's host inputs as its compiled call takes them. In a single process the
-        numpy arrays themselves: the call moves them to the mesh on its own C++ path (one
+    def _send(self, tree: Any) -> Any:
+        """A step's packed host inputs as its compiled call takes them. In a single process
+        the numpy arrays themselves: the call moves them to the mesh on its own C++ path (one
         device: ~2 us for the step's packed buffers, against ~45 us for a ``device_put``
         of them apart, which took ~0.4 ms inside a serving step, while the device waited
-        for the step's launch). Across processes, each one's own slices (``_put``)."""
-        return tree if self.process_count == 1 else self._put(tree, shardings)
+        for the step's launch). Across processes, each one's own slices (``_put``, with
+        ``_packed_shardings``: made only there)."""
+        if self.process_count == 1:
+            return tree
+        return self._put(tree, self._packed_shardings(tree))
 
     @property
     def builds_ahead(self) -> bool:
@@ -591,18 +594,17 @@ class JaxExecutor:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ compilation
-    def _put_forward(self, batch: StepBatch) -> tuple[Packed, Packed]:
+    def _send_forward(self, batch: StepBatch) -> tuple[Packed, Packed]:
         """The forward's part of a host batch (``rank``, ``shared``) for its call
         (``_send``): one packed buffer each, not one transfer (of one shard per device)
         per array."""
-        packed = pack_forward(batch)
-        return self._send(packed, self._packed_shardings(packed))
+        return self._send(pack_forward(batch))
 
-    def _put_sample(self, sample: SampleRows) -> PackedSample:
+    def _send_sample(self, sample: SampleRows) -> PackedSample:
         """The sampler's rows for its call (``_send``; small fields packed); the large
         buffers that are already the executor's device-resident padding stay as they are."""
         packed, on_host = self._pack_sample(sample)
-        return packed._replace(**self._send(on_host, self._packed_shardings(on_host)))
+        return packed._replace(**self._send(on_host))
 
     @staticmethod
     def _pack_sample(sample: SampleRows) -> tuple[PackedSample, dict[str, np.ndarray]]:
@@ -631,15 +633,14 @@ class JaxExecutor:
     def device_inputs(self, host: StepBatch) -> DeviceInputs:
         """A host batch as the compiled forward and sampler take it (``_send``): the
         forward's and the sampler's buffers, packed."""
-        return self._put_packed(self._pack(host))
+        return self._send_packed(self._pack(host))
 
     def _pack(self, host: StepBatch) -> _PackedInputs:
         return _PackedInputs(pack_forward(host), *self._pack_sample(host.sample))
 
-    def _put_packed(self, packed: _PackedInputs) -> DeviceInputs:
+    def _send_packed(self, packed: _PackedInputs) -> DeviceInputs:
         forward, sample, on_host = packed
-        forward, on_host = self._send((forward, on_host), (self._packed_shardings(forward),
-                                                           self._packed_shardings(on_host)))
+        forward, on_host = self._send((forward, on_host))
         return DeviceInputs(forward, sample._replace(**on_host))
 
     def compiled_step(self, shape: StepShape) -> tuple[Any, Any]:
@@ -807,12 +808,12 @@ class JaxExecutor:
         with self.guard.watch():
             try:
                 if complete is None:  # the sampler's rows are known: one transfer
-                    inputs = self._put_packed(self._pack(host) if packed is None else packed)
+                    inputs = self._send_packed(self._pack(host) if packed is None else packed)
                     out = forward(self.params, pools, *inputs.forward)
                     sample = inputs.sample
                 else:
-                    out = forward(self.params, pools, *self._put_forward(host))
-                    sample = self._put_sample(complete())  # while the forward runs
+                    out = forward(self.params, pools, *self._send_forward(host))
+                    sample = self._send_sample(complete())  # while the forward runs
                 # The forward's pools, valid unless it fails (which surfaces below).
                 self.kv_pools = out.kv_pools
                 sampled = sampler(out.logits, sample)
