@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     executor = llm.engine.executor
     overlapped = executor.launch  # how the engine starts each step
 
-    def masks_first(plan, prepare=None):  # noqa: ANN001, ANN202 - the no-overlap variant
-        return overlapped(plan if prepare is None else prepare(plan))
+    def masks_first(plan, prepare=None, after=None):  # noqa: ANN001, ANN202 - no overlap
+        return overlapped(plan if prepare is None else prepare(plan), after=after)
 
     variants = (("free", free, overlapped), ("json_schema", constrained, overlapped),
                 ("json_schema_masks_first", constrained, masks_first))

@@ -320,3 +320,15 @@ class BuildingExecutor(LaunchingExecutor, Protocol):
         and starts it. Only for plans that need no ``Preparer`` and carry no penalty
         histories. Raises as ``launch``."""
         ...
+
+    def feeds_ahead(self, plan: IterationPlan, after: RunningStep) -> bool:
+        """Can ``launch(plan, after=after)`` start ``plan``, made by ``build``, while
+        ``after`` (the plan launched last) still runs, its decode slots taking ``after``'s
+        samples on the device rather than through the host?"""
+        ...
+
+    def launch(self, plan: IterationPlan, prepare: Preparer | None = None,
+               after: RunningStep | None = None) -> RunningStep:
+        """As ``LaunchingExecutor.launch``; with ``after`` (where ``feeds_ahead``), the
+        decode slots of the built ``plan`` take ``after``'s samples on the device."""
+        ...

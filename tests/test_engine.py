@@ -62,7 +62,10 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     ("chunked", "sp=1,tp=4", 8),
 ])
 def test_concurrent_greedy_equals_solo_reference(policy, mesh, count):
+    """Also with most steps launched ahead, their decode slots' tokens read on the device
+    from the step before (on one rank, every step but the first)."""
     engine = make_engine(policy, mesh)
+    plans, ahead = _record_launches(engine)
     prompts = _prompts(count, seed=count)
     budgets = [int(b) for b in np.random.default_rng(1).integers(1, 12, count)]
     outs = engine.generate(prompts, [SamplingParams(max_tokens=b, temperature=0,
@@ -70,6 +73,8 @@ def test_concurrent_greedy_equals_solo_reference(policy, mesh, count):
     for prompt, budget, out in zip(prompts, budgets, outs, strict=True):
         assert out.outputs[0].token_ids == solo_greedy(prompt, budget)
         assert out.outputs[0].finish_reason == "length"
+    # One rank: every decode's last token was sampled on its own rank.
+    assert len(ahead) == len(plans) - 1 if mesh.startswith("sp=1,") else ahead
     bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
@@ -130,12 +135,15 @@ def test_abort_frees_pages_and_bad_input_is_rejected():
         engine.add_request([99999], SamplingParams())
 
 
+@pytest.mark.parametrize("plan_ahead", [False, True])
 @pytest.mark.parametrize("where", ["boundary", "forward", "sampler"])
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, monkeypatch,
-                                                                        caplog):
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, plan_ahead,
+                                                                        monkeypatch, caplog):
     """A step fails once: at the executor boundary (before the device), inside the
     compiled forward (after the KV pools were donated to it, which deletes them) or inside
-    the compiled sampler (the forward ran: its pools hold the KV)."""
+    the compiled sampler (the forward ran: its pools hold the KV, unless the next step was
+    launched on the failed step's tokens, taking the pools with it). Planning ahead, the
+    failing step is one launched ahead, its decode slots fed on the device."""
     armed = {"on": False}
 
     def fail_if_armed(_):
@@ -153,27 +161,35 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, m
             return real(array, *args, **kwargs)
 
         monkeypatch.setattr(step_mod, name, failing)
-    engine = make_engine()
-    real_launch = engine.executor.launch  # the engine's async scheduling launches plans
-    calls = {"n": 0}
+    engine = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
+                    EngineConfig(executor=make_engine().config.executor,
+                                 plan_ahead=plan_ahead))
+    ex = engine.executor
+    calls = {"n": 0, "ahead": []}
+    real_launch = ex.launch
 
-    def flaky(plan, prepare=None):  # fault injection, once
+    def flaky(plan, prepare=None, after=None):  # fault injection, once: the third step
         calls["n"] += 1
-        armed["on"] = calls["n"] == 2
+        calls["ahead"].append(after is not None)
+        armed["on"] = calls["n"] == 3
         if armed["on"] and where == "boundary":
             raise RuntimeError("injected device failure")
-        return real_launch(plan, prepare)
+        return real_launch(plan, prepare, after)
 
-    engine.executor.launch = flaky
-    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+    ex.launch = flaky
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
     outs = []
     while engine.has_unfinished:
         outs += engine.step()
     armed["on"] = False
     assert [o.finish_reason for o in outs if o.request_id == rid][-1] == "error"
+    # Planning ahead, the third step, the one failing, was launched on the second's tokens,
+    # fed on the device (the second was not: its prefill completed on another rank than
+    # its decode rank, so the host fed it).
+    assert calls["ahead"][:3] == [False, False, plan_ahead]
     failure = next(r.exc_info[1] for r in caplog.records
                    if r.name == "conflux_jax.engine.engine" and r.exc_info)
-    if where == "forward":
+    if where == "forward" or (where == "sampler" and plan_ahead):
         assert isinstance(failure, KVLost) and "rebuilt empty" in str(failure)
         assert "injected device failure" in str(failure)
         assert not any(pool.is_deleted() for pool in engine.executor.kv_pools)  # fresh pools
@@ -287,17 +303,20 @@ def test_a_late_long_request_is_served_within_the_bound_under_a_stream(grace, ow
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
 
-def _record_launches(engine: Engine) -> list:
-    """Every plan the engine starts (the executor still runs them)."""
-    plans = []
+def _record_launches(engine: Engine) -> tuple[list, list]:
+    """Every plan the engine starts, and those of them launched ahead (decode slots fed on
+    the device); the executor still runs them."""
+    plans, ahead = [], []
     launch = engine.executor.launch
 
-    def record(plan, prepare=None):
+    def record(plan, prepare=None, after=None):
         plans.append(plan)
-        return launch(plan, prepare)
+        if after is not None:
+            ahead.append(plan)
+        return launch(plan, prepare, after)
 
     engine.executor.launch = record
-    return plans
+    return plans, ahead
 
 
 def test_async_scheduling_gives_the_outputs_of_one_iteration_at_a_time():
@@ -340,7 +359,7 @@ def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypat
     request ended by a stop token gets no further row (planning ahead: at most one), one
     ended by a stop string at most one (its token dropped), and nothing outlives the last
     request. Planning ahead, every iteration after the first is built before the last
-    one's tokens are in."""
+    one's tokens are in, and most are launched then too (fed on the device)."""
     from conflux_jax.outputs import OutputTracker
 
     engine = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
@@ -362,7 +381,7 @@ def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypat
         return real_append(self, *args, **kwargs)
 
     monkeypatch.setattr(OutputTracker, "append", append)
-    plans = _record_launches(engine)
+    plans, ahead = _record_launches(engine)
     prompt = [20, 30, 40, 50]
     full = solo_greedy(prompt, 8)
     by_token = engine.add_request(prompt, SamplingParams(
@@ -386,6 +405,8 @@ def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypat
     assert tokens[by_string] <= rows[by_string] <= tokens[by_string] + 1
     started_built = [p for p in plans if any(p is b for b in built)]
     assert len(started_built) == (len(plans) - 1 if plan_ahead else 0)
+    # Launched ahead: all but the first and those after a prefill completed on another rank.
+    assert len(ahead) >= (len(plans) - 3 if plan_ahead else 0)
     assert sum(running) >= len(running) - 2  # all but the last iteration's outputs
     bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))

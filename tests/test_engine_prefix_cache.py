@@ -41,9 +41,9 @@ def record_plans(engine: Engine) -> list:
     plans = []
     run = engine.executor.launch  # how the engine (async scheduling) starts each plan
 
-    def launch(plan, prepare=None):
+    def launch(plan, prepare=None, after=None):
         plans.append(plan)
-        return run(plan, prepare)
+        return run(plan, prepare, after)
 
     engine.executor.launch = launch
     return plans
@@ -114,8 +114,8 @@ def test_link_bytes_count_the_loads():
     sent = []
     run = ex.launch  # how the engine starts each plan
 
-    def launch(plan, prepare=None):
-        out = run(plan, prepare)
+    def launch(plan, prepare=None, after=None):
+        out = run(plan, prepare, after)
         sent.append((plan, ex.last_transfer_bytes))
         return out
 

@@ -185,6 +185,18 @@ class EngineCore:
             cast(BuildingExecutor, self.executor).build(plan, lambda: sched.last_tokens(plan))
         return plan
 
+    def launch_ahead(self, planned: IterationPlan, running: InFlight) -> InFlight | None:
+        """Start a plan made by :meth:`plan_ahead` now, while ``running`` (advanced) still
+        computes, its decode slots fed ``running``'s samples on the device; None when the
+        executor cannot (``planned`` stays to :meth:`start`). Commit it with
+        :meth:`finish` after ``running``; should ``running`` fail, pass it as that finish's
+        ``ahead`` (it took ``running``'s tokens). Raises as :meth:`step`."""
+        ex = cast(BuildingExecutor, self.executor)
+        if not ex.feeds_ahead(planned, running.running):
+            return None
+        with self._failing(planned):
+            return InFlight(planned, ex.launch(planned, after=running.running))
+
     def _schedule(self) -> IterationPlan | None:
         """The next plan, or None (committed at once) when it would run nothing."""
         plan = self.scheduler.schedule(self.executor.now())

@@ -98,11 +98,12 @@ class EngineConfig:
     # set running before the last one's tokens become outputs, which the host builds
     # while the device computes. False = one iteration at a time.
     async_scheduling: bool = True
-    # With async scheduling, the iteration after the running one is also planned and
-    # its host batch built while the device computes; only the running one's tokens are
-    # fed in at its launch. Steps with grammar masks or penalties are planned when the
-    # tokens are in (their masks and histories follow them). False = plan once the
-    # tokens are in, always.
+    # With async scheduling, the iteration after the running one is also planned, its
+    # host batch built and itself launched while the device computes, its decode rows
+    # reading the running one's tokens on the device (from the host, once they are in,
+    # where a token was sampled on another rank). Steps with grammar masks or penalties
+    # are planned when the tokens are in (their masks and histories follow them).
+    # False = plan once the tokens are in, always.
     plan_ahead: bool = True
 
     def __post_init__(self) -> None:
@@ -179,7 +180,9 @@ class Engine:
         self._min_tokens: dict[int, tuple[int, list[int]]] = {}
         self._failed_now: list[StepOutput] = []  # failed while preparing this step's plan
         self._flight: InFlight | None = None  # the iteration running (async scheduling)
-        self._ahead: IterationPlan | None = None  # the one after it, planned and built
+        # The one after it, planned and built; launched already (an InFlight) when its
+        # decode slots take the running one's samples on the device.
+        self._ahead: IterationPlan | InFlight | None = None
         self._lost: ExecutorLost | None = None  # raised by the next step()
         self._next_id = 0
         self._rng = random.Random()
@@ -374,9 +377,13 @@ class Engine:
 
         With ``plan_ahead`` (the default) the call then also plans the iteration after
         the one it started and builds its host batch, still while the device computes,
-        so that the next call only feeds it the tokens it waited for and starts it.
-        Grammar-constrained and penalized requests keep their iterations planned after
-        their tokens are in (no extra row for a grammar's end, masks from the last token).
+        and launches it at once, its decode slots reading the running iteration's samples
+        on the device: the device goes from one iteration to the next without waiting for
+        the host, and the next call finds the next iteration running. Where the executor
+        cannot feed a slot so (a prefill that completed on another rank), the next call
+        feeds it the tokens it waited for and starts it. Grammar-constrained and
+        penalized requests keep their iterations planned after their tokens are in (no
+        extra row for a grammar's end, masks from the last token).
         """
         if not self.config.async_scheduling:
             outputs: list[StepOutput] = []
@@ -385,8 +392,8 @@ class Engine:
             except StepFailed as failed:  # a failing step fails its requests, not the engine
                 return self._failed_step(failed)
             return self._settle(outputs)
-        if self._lost is not None:  # found by the last call, after its outputs
-            lost, self._lost = self._lost, None
+        if self._lost is not None and self._flight is None:  # found by an earlier call,
+            lost, self._lost = self._lost, None  # whose outputs (and its flight's) went out
             raise lost
         outputs = []
         flight, self._flight = self._flight, None
@@ -394,15 +401,17 @@ class Engine:
         done = None
         if flight is not None:
             try:
-                done = self.core.finish(flight, self._observer(outputs, "early"), ahead)
+                done = self.core.finish(flight, self._observer(outputs, "early"),
+                                        ahead.plan if isinstance(ahead, InFlight) else ahead)
             except StepFailed as failed:
                 outputs += self._failed_step(failed)
                 if failed.ahead is not None:  # committed as not run with it
                     ahead = None
-        if ahead is not None and not self._live:
+        if isinstance(ahead, InFlight):
+            self._flight = ahead  # running already (committed by a later call or _drain)
+        elif ahead is not None and not self._live:
             self.core.discard(ahead)  # every request in it has ended
-            ahead = None
-        if self._live:
+        elif self._live and self._lost is None:
             try:
                 self._flight = self.core.start(None if ahead else self._preparer(),
                                                planned=ahead)
@@ -424,13 +433,17 @@ class Engine:
         outputs = self._settle(outputs)
         if not self._live:
             self._drain()
-        elif self._flight is not None and self._plans_ahead():
+        elif self._flight is not None and self._lost is None and self._plans_ahead():
             # After the outputs: requests that a stop string ended are out of the plan.
             self._flight = self.core.advance(self._flight)
             try:
-                self._ahead = self.core.plan_ahead()
+                planned = self.core.plan_ahead()
+                self._ahead = None if planned is None else \
+                    self.core.launch_ahead(planned, self._flight) or planned
             except StepFailed as failed:
                 outputs += self._settle(self._failed_step(failed))
+            except ExecutorLost as exc:
+                self._lost = exc  # raised once the running iteration's outputs are out
         return outputs
 
     def _plans_ahead(self) -> bool:
@@ -463,15 +476,18 @@ class Engine:
         are of requests that ended meanwhile), so that none outlives the last request."""
         flight, self._flight = self._flight, None
         ahead, self._ahead = self._ahead, None
-        if flight is None:
-            return
-        try:
-            self.core.finish(flight, None, ahead)
-        except StepFailed as failed:  # no live request was in it: nothing to fail
-            log.warning("a step of ended requests failed: %s", failed.__cause__)
-            ahead = None if failed.ahead is not None else ahead
-        if ahead is not None:
-            self.core.discard(ahead)
+        while flight is not None:
+            launched = ahead if isinstance(ahead, InFlight) else None  # finished next
+            planned = launched.plan if launched is not None else ahead
+            try:
+                self.core.finish(flight, None, planned)
+            except StepFailed as failed:  # no live request was in it: nothing to fail
+                log.warning("a step of ended requests failed: %s", failed.__cause__)
+                if failed.ahead is not None:  # committed as not run with it
+                    launched = planned = None
+            if launched is None and planned is not None:
+                self.core.discard(planned)
+            flight, ahead = launched, None
 
     def _observer(self, outputs: list[StepOutput],
                   part: Literal["all", "early", "late"] = "all") -> Observer:

@@ -80,6 +80,10 @@ class RankInputs:
     """Per rank, sharded over ``sp``."""
 
     tokens: jax.Array  # i32[N, T]   prefill tokens, then decode tokens, then padding
+    # A sampling row's input token (at sample_index) taken on the device from the previous
+    # step's samples, this rank's row token_from (the step launched before that one's
+    # tokens reach the host); -1 (padding): ``tokens`` holds it.
+    token_from: jax.Array  # i32[N, R]
     positions: jax.Array  # i32[N, T]   absolute position of each token
     decode_index: jax.Array  # i32[N, D]   buffer index of each decode slot (pad: T)
     decode_slot: jax.Array  # i32[N, D]   decode-view KV slot page*ps+offset (pad: -1)
@@ -194,7 +198,8 @@ class StepBatch:
         i32 = np.int32
         sample = cls.padding_sample(r, layout, bitmask, history, bias)
         rank = RankInputs(
-            tokens=np.zeros((n, t), i32), positions=np.zeros((n, t), i32),
+            tokens=np.zeros((n, t), i32), token_from=np.full((n, r), -1, i32),
+            positions=np.zeros((n, t), i32),
             decode_index=np.full((n, d), t, i32), decode_slot=np.full((n, d), -1, i32),
             decode_kv_len=np.zeros((n, d), i32),
             decode_pages=np.zeros((n, d, shape.decode_pages), i32),

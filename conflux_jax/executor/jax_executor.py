@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +73,7 @@ from conflux_jax.plan import (
     KVSpec,
     PrefillPiece,
     Preparer,
+    RunningStep,
     SampledToken,
     SamplingSpec,
     StepResult,
@@ -244,7 +245,8 @@ CPU_NUM_PAGES = 256  # per rank, when a CPU is not asked to size the pool from m
 class DeviceInputs(NamedTuple):
     """One step's inputs as its compiled calls take them (host buffers in a single process,
     which the call moves; global arrays across processes): the forward's (after the weights
-    and the pools) and the sampler's (after the logits)."""
+    and the pools: ``rank``, ``shared`` and ``fed``, here the executor's zeros: no row
+    fed on the device) and the sampler's (after the logits)."""
 
     forward: tuple[Any, ...]
     sample: Any
@@ -259,8 +261,9 @@ class _PackedInputs(NamedTuple):
 
 
 # A decode slot's token is fed at column ``index`` of the forward's packed per-rank buffer:
-# ``RankInputs.tokens`` (i32[N, T]) is its first leaf.
-assert dataclasses.fields(RankInputs)[0].name == "tokens"
+# ``RankInputs.tokens`` (i32[N, T]) is its first leaf; or on the device, its sampling row's
+# ``token_from`` (i32[N, R], the second leaf) at column T + row.
+assert [f.name for f in dataclasses.fields(RankInputs)[:2]] == ["tokens", "token_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +278,7 @@ class BuiltStep:
     packed: _PackedInputs
     token_rank: np.ndarray  # i32[slots]: each decode slot's rank, ``plan.decode`` order
     token_index: np.ndarray  # i32[slots]: and where its token sits in the rank's buffer
+    token_row: np.ndarray  # i32[slots]: and its sampling row
     tokens: Callable[[], Sequence[int]]  # the slots' tokens, once the previous step's are in
 
 
@@ -296,27 +300,30 @@ class _SteadyDecodes:
 
 
 class _Dispatched(NamedTuple):
-    """A step whose forward and sampler are dispatched; the pools it was given, to tell
-    after a failure whether they went with it."""
+    """A step whose forward and sampler are dispatched."""
 
     out: Any  # the forward's outputs (logits, new pools)
     sampled: jax.Array  # i32[N, R, packed]: the sampler's packed rows
-    kv_pools: tuple[jax.Array, ...]
+    tokens: jax.Array  # i32[N, R_max]: their tokens, padded (a next step's ``fed``)
 
 
 class LaunchedStep:
     """A launched plan (``JaxExecutor.launch``); ``result()`` waits for its tokens once
-    and keeps them."""
+    and keeps them. ``dispatched``: the step on the device, when its sampled tokens can
+    feed a next one there (a single process)."""
 
     def __init__(self, executor: JaxExecutor, rows: dict[int, tuple[int, int]], start: float,
-                 collect: Callable[[], tuple[Any, Any]]) -> None:
-        self._executor, self._rows, self._start, self._collect = executor, rows, start, collect
+                 collect: Callable[[], tuple[Any, Any]],
+                 dispatched: _Dispatched | None = None) -> None:
+        self._executor, self._start, self._collect = executor, start, collect
+        self.rows = rows  # request -> (rank, sampling row)
+        self.dispatched = dispatched
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
         if self._result is None:
             s, logits = self._collect()
-            sampled = self._executor._sampled(self._rows, s, logits)
+            sampled = self._executor._sampled(self.rows, s, logits)
             end = time.perf_counter()
             self._result = StepResult(sampled=sampled, latency_s=end - self._start, end_s=end)
         return self._result
@@ -392,6 +399,10 @@ class JaxExecutor:
             return put_global(np.asarray(a, dtype), sharding)
 
         self.params = jax.tree.map(place, padded_params, self._param_specs)
+        max_sample_rows = buckets.decode[-1] + buckets.max_prefill_seqs  # R_max
+        # The forward's ``fed`` when no row takes its token on the device (i32[N, R_max]).
+        self._no_fed = jax.jit(lambda: jnp.zeros((n, max_sample_rows), jnp.int32),
+                               out_shardings=NamedSharding(self.mesh, P(SP)))()
         prefill_pages_per_seq = -(-ec.max_model_len // (ec.page_size * n))
         self.planner = ShapePlanner(
             self.buckets, max_pages_per_seq=-(-ec.max_model_len // ec.page_size),
@@ -411,7 +422,8 @@ class JaxExecutor:
                 # then copies around each in-place call (so it does around its own scatter).
                 kv_write="cpu" if "cpu" in (self.decode_attention, self.prefill_attention)
                 and self.layer_weights == "stacked" else "xla",
-                replicate_samples=self.process_count > 1)
+                replicate_samples=self.process_count > 1,
+                max_sample_rows=max_sample_rows)
 
         def layout(num_pages: int) -> BatchLayout:
             return BatchLayout(n, self.buckets.max_prefill_seqs, prefill_pages_per_seq,
@@ -641,7 +653,7 @@ class JaxExecutor:
     def _send_packed(self, packed: _PackedInputs) -> DeviceInputs:
         forward, sample, on_host = packed
         forward, on_host = self._send((forward, on_host))
-        return DeviceInputs(forward, sample._replace(**on_host))
+        return DeviceInputs((*forward, self._no_fed), sample._replace(**on_host))
 
     def compiled_step(self, shape: StepShape) -> tuple[Any, Any]:
         """The compiled forward and sampler of ``shape`` (compiled now when warm-up did
@@ -663,7 +675,8 @@ class JaxExecutor:
 
         if pools is None:
             pools = tuple(abstract(pool) for pool in self.kv_pools)
-        return (jax.tree.map(abstract, self.params), pools, rank, shared)
+        return (jax.tree.map(abstract, self.params), pools, rank, shared,
+                abstract(self._no_fed))
 
     def _abstract_sample_args(self, rows: int, layout: BatchLayout | None = None):
         """The sampler's abstract arguments for ``rows`` (R) sampling rows per rank."""
@@ -725,14 +738,25 @@ class JaxExecutor:
         """
         return self.launch(plan, prepare).result()
 
-    def launch(self, plan: IterationPlan, prepare: Preparer | None = None) -> LaunchedStep:
+    def launch(self, plan: IterationPlan, prepare: Preparer | None = None,
+               after: RunningStep | None = None) -> LaunchedStep:
         """Start one plan as :meth:`execute` runs it and return once the device has it:
         the host is free while it computes. ``result()`` on the returned step waits for
-        the tokens. (A multi-process instance runs the step to the end here.)"""
+        the tokens. (A multi-process instance runs the step to the end here.)
+
+        ``after``: the step launched last, still running, whose samples the decode slots
+        of ``plan`` (made by :meth:`build`) take on the device (see :meth:`feeds_ahead`):
+        the device goes from that step to this one without waiting for the host."""
         if not self.is_leader:
             raise RuntimeError("only process 0 executes plans; the others follow()")
         start = time.perf_counter()
+        if after is not None and not self.feeds_ahead(plan, after):
+            raise ValueError("a plan launched after a running step must be built and its "
+                             "decode slots' tokens sampled there (feeds_ahead)")
         built, self._built = self._built, None
+        if after is not None:
+            return self._launch_built(cast(BuiltStep, built), start,
+                                      cast(LaunchedStep, after))
         if built is not None and built.plan is plan and prepare is None:
             return self._launch_built(built, start)
         if prepare is not None and self.channel is not None:
@@ -747,7 +771,8 @@ class JaxExecutor:
                 return self._with_masks(host.sample, rows, prepare(plan).token_masks)
         if self.channel is None:
             dispatched = self._dispatch(shape, host, complete)
-            return LaunchedStep(self, rows, start, lambda: self._collect(dispatched))
+            return LaunchedStep(self, rows, start, lambda: self._collect(dispatched),
+                                dispatched)
         # Past this point every process runs the step: any failure leaves them out of
         # step with each other, so it ends the instance, not just this step.
         seq = self.channel.send(shape, host)
@@ -775,21 +800,47 @@ class JaxExecutor:
         if shape not in self._compiled and self.guard.serving:
             raise RuntimeError(f"step shape {shape} was not compiled at warm-up")
         at = np.array([rows[d.request_id] for d in plan.decode], np.int32).reshape(-1, 2)
-        rank = at[:, 0]
+        rank, row = at[:, 0], at[:, 1]
         self._built = BuiltStep(plan, shape, host, rows, self._pack(host), rank,
-                                host.rank.sample_index[rank, at[:, 1]], tokens)
+                                host.rank.sample_index[rank, row], row, tokens)
 
-    def _launch_built(self, built: BuiltStep, start: float) -> LaunchedStep:
-        """Start a step made by :meth:`build`, its decode slots fed their tokens."""
-        tokens = built.tokens()
-        if len(tokens) != len(built.token_rank):
-            raise ValueError(f"{len(tokens)} tokens for {len(built.token_rank)} decode slots")
-        at = built.token_rank, built.token_index
-        built.host.rank.tokens[at] = tokens
-        built.packed.forward[0].buf[at] = tokens  # the packed copy that is sent
+    def feeds_ahead(self, plan: IterationPlan, after: RunningStep) -> bool:
+        """Can ``launch(plan, after=after)`` take each decode slot's token on the device
+        from ``after``'s samples? Only for the plan :meth:`build` made last, and only when
+        every slot's token was sampled on its own rank there (not for a prefill that
+        completed on another rank than its decode rank)."""
+        built = self._built
+        if built is None or built.plan is not plan or not isinstance(after, LaunchedStep) \
+                or after.dispatched is None:
+            return False
+        prev = after.rows
+        return all((src := prev.get(d.request_id)) is not None and src[0] == d.rank
+                   for d in plan.decode)
+
+    def _launch_built(self, built: BuiltStep, start: float,
+                      after: LaunchedStep | None = None) -> LaunchedStep:
+        """Start a step made by :meth:`build`, its decode slots fed their tokens: from
+        the host (``built.tokens()``), or on the device from ``after``'s sampled tokens,
+        by the sampling row that each slot's request had there (``token_from``)."""
+        buf = built.packed.forward[0].buf  # the packed copy of the rank inputs that is sent
+        fed = None
+        if after is None:
+            tokens = built.tokens()
+            if len(tokens) != len(built.token_rank):
+                raise ValueError(f"{len(tokens)} tokens for {len(built.token_rank)} decode "
+                                 "slots")
+            at = built.token_rank, built.token_index
+            built.host.rank.tokens[at] = tokens
+            buf[at] = tokens
+        else:
+            assert after.dispatched is not None
+            prev, fed = after.rows, after.dispatched.tokens
+            buf[built.token_rank, built.shape.tokens + built.token_row] = [
+                prev[d.request_id][1] for d in built.plan.decode]
         self.last_transfer_bytes = self.transfer_bytes(built.host)
-        dispatched = self._dispatch(built.shape, built.host, packed=built.packed)
-        return LaunchedStep(self, built.rows, start, lambda: self._collect(dispatched))
+        dispatched = self._dispatch(built.shape, built.host, packed=built.packed, fed=fed)
+        return LaunchedStep(self, built.rows, start, lambda: self._collect(dispatched),
+                            dispatched)
 
     def _run(self, shape: StepShape, host: StepBatch) -> tuple[Any, Any]:
         """Run the step of ``shape`` on ``host`` to the end; see :meth:`_collect`."""
@@ -797,32 +848,36 @@ class JaxExecutor:
 
     def _dispatch(self, shape: StepShape, host: StepBatch,
                   complete: Callable[[], SampleRows] | None = None,
-                  packed: _PackedInputs | None = None) -> _Dispatched:
-        """Dispatch the forward of ``shape`` on ``host`` (``packed``: already packed),
+                  packed: _PackedInputs | None = None,
+                  fed: jax.Array | None = None) -> _Dispatched:
+        """Dispatch the forward of ``shape`` on ``host`` (``packed``: already packed;
+        ``fed``: the previous step's sampled tokens, which its ``token_from`` rows read),
         then the sampler on ``host.sample`` or, when given, on what ``complete()`` returns
         (host work that overlaps the forward). Returns before the device has finished
         either."""
         forward, sampler = self.compiled_step(shape)
-        pools = self.kv_pools
-        out = None
         with self.guard.watch():
             try:
                 if complete is None:  # the sampler's rows are known: one transfer
                     inputs = self._send_packed(self._pack(host) if packed is None else packed)
-                    out = forward(self.params, pools, *inputs.forward)
+                    rank, shared, no_fed = inputs.forward
                     sample = inputs.sample
                 else:
-                    out = forward(self.params, pools, *self._send_forward(host))
-                    sample = self._send_sample(complete())  # while the forward runs
+                    (rank, shared), no_fed = self._send_forward(host), self._no_fed
+                    sample = None
+                out = forward(self.params, self.kv_pools, rank, shared,
+                              no_fed if fed is None else fed)
                 # The forward's pools, valid unless it fails (which surfaces below).
                 self.kv_pools = out.kv_pools
-                sampled = sampler(out.logits, sample)
+                if sample is None:
+                    sample = self._send_sample(complete())  # while the forward runs
+                sampled, tokens = sampler(out.logits, sample)
             except Exception as exc:
-                lost = self._kv_lost(exc, pools, out)
+                lost = self._kv_lost(exc)
                 if lost is None:
                     raise
                 raise lost from exc
-        return _Dispatched(out, sampled, pools)
+        return _Dispatched(out, sampled, tokens)
 
     def _collect(self, step: _Dispatched) -> tuple[Any, Any]:
         """Wait for a dispatched step: the numpy ``SampledRows`` (replicated: every rank's
@@ -833,24 +888,23 @@ class JaxExecutor:
             logits = jax.device_get(step.out.logits) if self.exec_config.return_logits \
                 else None
         except Exception as exc:
-            lost = self._kv_lost(exc, step.kv_pools, step.out)
+            lost = self._kv_lost(exc)
             if lost is None:
                 raise
             raise lost from exc
         return s, logits
 
-    def _kv_lost(self, exc: Exception, pools: tuple[jax.Array, ...],
-                 out: Any) -> KVLost | None:  # noqa: ANN401
-        """For a step that raised ``exc``: when it took the KV with it (the pools were
-        donated to a forward that failed), rebuild them empty and return the
-        :class:`KVLost` to raise; None when the KV is intact."""
+    def _kv_lost(self, exc: Exception) -> KVLost | None:
+        """After a step raised ``exc``: when the pools the executor holds now are gone
+        (donated to a forward that failed, or to one launched after the failed step, on
+        its samples), rebuild them empty and return the :class:`KVLost` to raise; None
+        when the KV is intact (the failure came before a forward took the pools, or
+        after the last one that took them ran: a host or sampler failure)."""
         if self.channel is not None:
             return None  # fails the instance (ExecutorLost): no pool to rebuild
-        if not any(pool.is_deleted() for pool in pools):
-            return None  # failed before the pools were donated: they still hold the KV
-        if out is not None and all(_computed(pool) for pool in out.kv_pools):
-            return None  # the forward ran: its pools hold the KV (the host or sampler failed)
-        # Donated to the failed call: deleted, and its outputs hold the error.
+        pools = self.kv_pools
+        if not any(pool.is_deleted() for pool in pools) and all(map(_computed, pools)):
+            return None
         self.kv_pools = self._zero_pools()
         self._on_huge_pages(list(self.kv_pools), "the rebuilt KV pools")
         return KVLost(f"the compiled step failed ({type(exc).__name__}: {exc}); "

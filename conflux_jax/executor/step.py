@@ -16,11 +16,14 @@ Per rank and per layer (DESIGN.md §3, paper §4):
 4. O projection and FFN on the whole buffer again. Logits only for the sampling rows.
 
 A step is two pure functions, each one compiled executable: the forward
-``(params, kv_pools, RankInputs, SharedInputs) -> ForwardOutputs`` (KV donated) and
-the sampler ``(logits, SampleRows) -> SampledRows``. The host dispatches the forward, fills
-the token masks of grammar-constrained rows while the device runs it, then dispatches the
-sampler (vLLM's overlap of the structured-output bitmask with the forward pass); an
-unconstrained step dispatches both at once and reads its tokens once.
+``(params, kv_pools, RankInputs, SharedInputs, fed) -> ForwardOutputs`` (KV donated) and
+the sampler ``(logits, SampleRows) -> (SampledRows packed, tokens)``. The host dispatches
+the forward, fills the token masks of grammar-constrained rows while the device runs it,
+then dispatches the sampler (vLLM's overlap of the structured-output bitmask with the
+forward pass); an unconstrained step dispatches both at once and reads its tokens once.
+The sampler's ``tokens`` (i32[N, R_max], padded) may be the next step's ``fed``: its
+decode rows then read their input tokens on the device (``RankInputs.token_from``), so the
+host launches that step before this one's tokens reach it (vLLM's async scheduling).
 
 The KV lives in two pools, K and V (``kv_layout="split"``), or in one combined pool with K
 and V of each head side by side (``"combined"``, the layout of JAX's TPU kernel; see
@@ -90,6 +93,9 @@ class StepConfig:
     kv_layout: str = "split"  # "split": K and V pools; "combined": one (see the docstring)
     # Multi-process: the sampler returns its rows replicated (see ``build_step``).
     replicate_samples: bool = False
+    # R_max: the most sampling rows of any step shape. The sampler also returns its tokens
+    # padded to it, which the next step's forward may take as its ``fed`` argument.
+    max_sample_rows: int = 1
 
 
 def kv_pool_shape(cfg: StepConfig) -> tuple[int, ...]:
@@ -142,9 +148,12 @@ def param_specs(params: Params) -> Params:
 
 
 def _rank_forward(cfg: StepConfig, params: Params, kv_pools: tuple[jax.Array, ...],
-                  rank: RankInputs | Packed, meta: SharedInputs | Packed) -> ForwardOutputs:
+                  rank: RankInputs | Packed, meta: SharedInputs | Packed,
+                  fed: jax.Array) -> ForwardOutputs:
     """The forward's body on every device. Per-rank arrays arrive with a leading axis of
-    size 1, as they are or packed (what the executor sends: one buffer each)."""
+    size 1, as they are or packed (what the executor sends: one buffer each). ``fed``
+    i32[1, R_max]: the previous step's sampled tokens on this rank, read by the rows that
+    ``token_from`` names (any values when none does)."""
     n, ps = cfg.num_ranks, cfg.page_size
     rank, meta = unpacked(rank), unpacked(meta)
     b = jax.tree.map(lambda a: a[0], rank)  # this rank's inputs
@@ -228,7 +237,10 @@ def _rank_forward(cfg: StepConfig, params: Params, kv_pools: tuple[jax.Array, ..
         out = out.at[b.local_index].set(ol, mode="drop")
         return out, kv
 
-    x = model.embed_tokens(b.tokens)
+    # Rows not fed (-1) scatter to T: dropped.
+    fed_at = jnp.where(b.token_from >= 0, b.sample_index, t)
+    tokens = b.tokens.at[fed_at].set(fed[0][jnp.maximum(b.token_from, 0)], mode="drop")
+    x = model.embed_tokens(tokens)
     tp_axis = TP if cfg.tp > 1 else None
     x, pools = model.run_layers(x, b.positions, attend, pools, tp_axis,
                                 linears=cfg.linears, live_rows=b.num_rows)
@@ -237,16 +249,18 @@ def _rank_forward(cfg: StepConfig, params: Params, kv_pools: tuple[jax.Array, ..
 
 
 def _rank_sample(cfg: StepConfig, logits: jax.Array, rows: SampleRows | PackedSample
-                 ) -> jax.Array:
+                 ) -> tuple[jax.Array, jax.Array]:
     """The sampler's body on every device: logits f32[1, R, V], rows [1, R, ...] (as they
-    are or packed) -> the sampled rows packed, i32[1, R, 2 + 2K] (``SampledRows.pack``)."""
+    are or packed) -> the sampled rows packed, i32[1, R, 2 + 2K] (``SampledRows.pack``),
+    and their tokens padded to R_max, i32[1, R_max] (the next step's ``fed``)."""
     rows = jax.tree.map(lambda a: a[0], unpacked(rows))
     adjust = LogitAdjustments(rows.bitmask, rows.history, rows.num_prompt, rows.presence,
                               rows.frequency, rows.repetition, rows.bias_ids, rows.bias)
     sampled = SampledRows(*sample(
         logits[0], rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.step,
         cfg.num_top_logprobs, adjust, rows.min_p, rows.top_logprobs))
-    return sampled.pack()[None]
+    tokens = jnp.pad(sampled.tokens, (0, cfg.max_sample_rows - sampled.tokens.shape[0]))
+    return sampled.pack()[None], tokens[None]
 
 
 def _cpu_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
@@ -411,16 +425,21 @@ def _send_to_decode_ranks(src: jax.Array, start: jax.Array, count: jax.Array) ->
 class Step:
     """The step's two jitted functions (see the module docstring)."""
 
-    forward: Any  # (params, kv_pools, RankInputs, SharedInputs) -> ForwardOutputs
-    # (logits f32[N, R, V], SampleRows) -> i32[N, R, 2 + 2K]: SampledRows packed
+    # (params, kv_pools, RankInputs, SharedInputs, fed i32[N, R_max]) -> ForwardOutputs
+    forward: Any
+    # (logits f32[N, R, V], SampleRows) -> (i32[N, R, 2 + 2K]: SampledRows packed,
+    # i32[N, R_max]: the tokens, padded)
     sample: Any
+    max_sample_rows: int  # R_max
 
     def __call__(self, params: Params, kv_pools: tuple[jax.Array, ...],
                  batch: StepBatch) -> tuple[ForwardOutputs, SampledRows]:
         """Both, one after the other, the sampled rows read back (benchmarks and tests;
-        the executor overlaps them)."""
-        out = self.forward(params, kv_pools, batch.rank, batch.shared)
-        sampled = self.sample(out.logits, batch.sample)
+        the executor overlaps them). No row is fed on the device."""
+        n = batch.rank.tokens.shape[0]
+        fed = jnp.zeros((n, self.max_sample_rows), jnp.int32)
+        out = self.forward(params, kv_pools, batch.rank, batch.shared, fed)
+        sampled, _ = self.sample(out.logits, batch.sample)
         return out, SampledRows.from_packed(np.asarray(jax.device_get(sampled)))
 
 
@@ -431,19 +450,20 @@ def build_step(cfg: StepConfig, mesh: jax.sharding.Mesh, params_spec: Params) ->
     pools = (KV_POOL_SPEC,) * num_kv_pools(cfg)
     forward = jax.shard_map(
         functools.partial(_rank_forward, cfg), mesh=mesh,
-        in_specs=(params_spec, pools, P(SP), P()),
+        in_specs=(params_spec, pools, P(SP), P(), rows),
         out_specs=ForwardOutputs(pools, rows), check_vma=False)
     sampler = jax.shard_map(
         functools.partial(_rank_sample, cfg), mesh=mesh, in_specs=(rows, P(SP)),
-        out_specs=rows, check_vma=False)
+        out_specs=(rows, rows), check_vma=False)
     if cfg.replicate_samples:
         # Multi-process: process 0 holds only its own ranks' shards; one small
         # all-gather lets it read every rank's tokens.
         everywhere = jax.sharding.NamedSharding(mesh, P())
         sampler_sharded = sampler
 
-        def sampler(logits: jax.Array, rows: SampleRows) -> jax.Array:
-            return jax.lax.with_sharding_constraint(sampler_sharded(logits, rows),
-                                                    everywhere)
+        def sampler(logits: jax.Array, rows: SampleRows) -> tuple[jax.Array, jax.Array]:
+            sampled, tokens = sampler_sharded(logits, rows)
+            return jax.lax.with_sharding_constraint(sampled, everywhere), tokens
 
-    return Step(jax.jit(forward, donate_argnums=(1,)), jax.jit(sampler))
+    return Step(jax.jit(forward, donate_argnums=(1,)), jax.jit(sampler),
+                cfg.max_sample_rows)

@@ -17,9 +17,9 @@ def test_requests_arriving_ms_apart_share_the_first_step(tiny_engine):
     real_launch = executor.launch  # how the engine starts each plan
     steps: list[set[int]] = []
 
-    def spy(plan, prepare=None):
+    def spy(plan, prepare=None, after=None):
         steps.append(set(plan.request_ids))
-        return real_launch(plan, prepare)
+        return real_launch(plan, prepare, after)
 
     # idle: blocked on its intake. A wider gap than the default 3 ms, so a busy host's
     # scheduling jitter between the submits cannot split the burst.

@@ -22,12 +22,12 @@ def test_a_lost_executor_fails_the_open_requests_and_stops_the_loop(tiny_engine)
     real_launch = executor.launch  # how the engine starts each plan
     steps = 0
 
-    def lost_after_two_steps(plan, prepare=None):
+    def lost_after_two_steps(plan, prepare=None, after=None):
         nonlocal steps
         steps += 1
         if steps > 2:
             raise ExecutorLost("process 1 of 2 died")
-        return real_launch(plan, prepare)
+        return real_launch(plan, prepare, after)
 
     fatal = threading.Event()
     loop = EngineLoop(tiny_engine)

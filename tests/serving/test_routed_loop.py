@@ -230,9 +230,9 @@ def test_a_stalled_instance_fails_its_request_with_an_error_naming_it(
         executor = routed.engines[i].executor
         real = executor.launch  # how the engine starts each plan
 
-        def slow(plan: Any, prepare: Any = None) -> Any:
+        def slow(plan: Any, prepare: Any = None, after: Any = None) -> Any:
             time.sleep(1.5)
-            return real(plan, prepare)
+            return real(plan, prepare, after)
 
         slowed[i] = (executor, real)
         executor.launch = slow
@@ -264,9 +264,9 @@ def test_a_stall_fails_a_whole_non_streaming_request_with_a_502(routed: RoutedSe
     reals = [(e.executor, e.executor.launch) for e in routed.engines]
 
     def slowed(real: Any) -> Any:
-        def slow(plan: Any, prepare: Any = None) -> Any:
+        def slow(plan: Any, prepare: Any = None, after: Any = None) -> Any:
             time.sleep(1.5)
-            return real(plan, prepare)
+            return real(plan, prepare, after)
         return slow
 
     old = routed.routed.timeouts
@@ -299,7 +299,7 @@ def test_a_lost_instance_fails_its_request_and_the_other_serves_the_rest(
         i = int(name.rsplit("-", 1)[1])
         executor = routed.engines[i].executor
 
-        def gone(plan: Any, prepare: Any = None) -> Any:
+        def gone(plan: Any, prepare: Any = None, after: Any = None) -> Any:
             raise ExecutorLost("process 1 of 2 died")
 
         lost.append((executor, executor.launch, name))

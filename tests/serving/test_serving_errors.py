@@ -210,11 +210,11 @@ def test_exception_inside_a_step_fails_its_requests_and_serving_continues(server
     real_run = executor.launch  # how the engine starts each plan
     armed = threading.Event()
 
-    def failing_once(plan, prepare=None):
+    def failing_once(plan, prepare=None, after=None):
         if armed.is_set():
             armed.clear()
             raise RuntimeError("injected device failure")
-        return real_run(plan, prepare)
+        return real_run(plan, prepare, after)
 
     executor.launch = failing_once
     try:
