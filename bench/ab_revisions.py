@@ -1,6 +1,7 @@
 """Two revisions of the engine on the same steps, run in alternating processes.
 
     python bench/ab_revisions.py OLD_REV [NEW_REV] [--rounds 3] [--repeats 12]
+    python bench/ab_revisions.py OLD_REV [NEW_REV] [--rounds 3] --compare "COMPARE ARGS"
 
 Each revision is checked out into a temporary git worktree (NEW_REV defaults to the
 working tree itself). Every round runs one process per revision, old first: the process
@@ -11,12 +12,19 @@ of ~100 tokens) and, from the prefill-heavy workload (128-token prompts), one st
 times. Printed: each round's median per revision and the old/new ratio. Rounds alternate
 so that a host that speeds up or slows down during the run moves both sides alike;
 compare the ratios, not the times.
+
+With ``--compare``, each process is instead the revision's own ``python -m
+conflux_jax.bench compare COMPARE ARGS`` (e.g. ``--peers server --concurrency 1 4 16
+--repeats 1 --no-bound``): the whole engine loop, in-process and through its server, not
+one compiled step. Printed: each system's and level's output tokens/s per round (the
+best of the run's repeats) and the new/old ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -98,12 +106,28 @@ def run(tree: Path, repeats: int) -> dict[str, list[float]]:
     raise RuntimeError(f"{tree}: no result\n{proc.stderr[-3000:]}")
 
 
+def run_compare(tree: Path, compare_args: str) -> dict[str, list[float]]:
+    """The revision's ``compare`` run in its tree: output tokens/s per system and level."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compare.json"
+        proc = subprocess.run([sys.executable, "-m", "conflux_jax.bench", "compare",
+                               *shlex.split(compare_args), "--json", str(out)],
+                              cwd=tree, capture_output=True, text=True, check=False)
+        if proc.returncode or not out.exists():
+            raise RuntimeError(f"{tree}: compare failed\n{proc.stderr[-3000:]}")
+        report = json.loads(out.read_text())
+    return {f"{system} x{row['concurrency']}": [row[system]["tokens_per_s"]]
+            for row in report["rows"] for system in ("ours", *report["peers"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old")
     ap.add_argument("new", nargs="?", help="a revision; default: the working tree")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--compare", metavar="ARGS",
+                    help="run each revision's `bench compare ARGS` instead of timing steps")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}
@@ -119,14 +143,25 @@ def main(argv: list[str] | None = None) -> int:
             medians: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
             for _ in range(args.rounds):
                 for label, tree in trees.items():
-                    for name, times in run(tree, args.repeats).items():
+                    got = run(tree, args.repeats) if args.compare is None else \
+                        run_compare(tree, args.compare)
+                    for name, times in got.items():
                         medians[label].setdefault(name, []).append(float(np.median(times)))
         finally:
             for tree in trees.values():
                 if tree != ROOT:
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                     str(tree)], check=False)
-    print(f"old = {args.old}, new = {args.new or 'working tree'}; median ms per round")
+    print(f"old = {args.old}, new = {args.new or 'working tree'}; ", end="")
+    if args.compare is not None:
+        print("output tokens/s per round (ours: in-process)")
+        for name in medians["old"]:
+            old, new = medians["old"][name], medians["new"][name]
+            ratios = ", ".join(f"{b / a:.2f}x" for a, b in zip(old, new, strict=True))
+            print(f"  {name:<11} old {' / '.join(f'{t:.1f}' for t in old)}"
+                  f"   new {' / '.join(f'{t:.1f}' for t in new)}   new/old {ratios}")
+        return 0
+    print("median ms per round")
     for name in medians["old"]:
         old, new = medians["old"][name], medians["new"][name]
         ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(old, new, strict=True))
