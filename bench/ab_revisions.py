@@ -152,21 +152,17 @@ def main(argv: list[str] | None = None) -> int:
                 if tree != ROOT:
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                     str(tree)], check=False)
-    print(f"old = {args.old}, new = {args.new or 'working tree'}; ", end="")
-    if args.compare is not None:
-        print("output tokens/s per round (ours: in-process)")
-        for name in medians["old"]:
-            old, new = medians["old"][name], medians["new"][name]
-            ratios = ", ".join(f"{b / a:.2f}x" for a, b in zip(old, new, strict=True))
-            print(f"  {name:<11} old {' / '.join(f'{t:.1f}' for t in old)}"
-                  f"   new {' / '.join(f'{t:.1f}' for t in new)}   new/old {ratios}")
-        return 0
-    print("median ms per round")
+    # Steps: median seconds (old/new > 1: new faster); compare: tokens/s (new/old).
+    steps = args.compare is None
+    scale, unit = (1e3, "median ms") if steps else (1.0, "output tokens/s (ours: in-process)")
+    print(f"old = {args.old}, new = {args.new or 'working tree'}; {unit} per round")
     for name in medians["old"]:
         old, new = medians["old"][name], medians["new"][name]
-        ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(old, new, strict=True))
-        print(f"  {name:<11} old {' / '.join(f'{1e3 * t:.1f}' for t in old)}"
-              f"   new {' / '.join(f'{1e3 * t:.1f}' for t in new)}   old/new {ratios}")
+        ratios = ", ".join(f"{(a / b if steps else b / a):.2f}x"
+                           for a, b in zip(old, new, strict=True))
+        print(f"  {name:<11} old {' / '.join(f'{scale * t:.1f}' for t in old)}"
+              f"   new {' / '.join(f'{scale * t:.1f}' for t in new)}   "
+              f"{'old/new' if steps else 'new/old'} {ratios}")
     return 0
 
 
