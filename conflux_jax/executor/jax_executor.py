@@ -457,6 +457,7 @@ class JaxExecutor:
         # (pages tuple, i32[pages]).
         self._page_arrays: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
         self._built: BuiltStep | None = None  # a plan made ahead, launched next
+        self._last: LaunchedStep | None = None  # the step dispatched last (single process)
         self._steady: _SteadyDecodes | None = None  # the last decode-only batch
         self._compiled: dict[StepShape, Any] = {}  # the forward per step shape
         self._samplers: dict[int, Any] = {}  # the sampler per sampling-row count R
@@ -771,8 +772,7 @@ class JaxExecutor:
                 return self._with_masks(host.sample, rows, prepare(plan).token_masks)
         if self.channel is None:
             dispatched = self._dispatch(shape, host, complete)
-            return LaunchedStep(self, rows, start, lambda: self._collect(dispatched),
-                                dispatched)
+            return self._launched(rows, start, dispatched)
         # Past this point every process runs the step: any failure leaves them out of
         # step with each other, so it ends the instance, not just this step.
         seq = self.channel.send(shape, host)
@@ -806,14 +806,13 @@ class JaxExecutor:
 
     def feeds_ahead(self, plan: IterationPlan, after: RunningStep) -> bool:
         """Can ``launch(plan, after=after)`` take each decode slot's token on the device
-        from ``after``'s samples? Only for the plan :meth:`build` made last, and only when
-        every slot's token was sampled on its own rank there (not for a prefill that
-        completed on another rank than its decode rank)."""
-        built = self._built
-        if built is None or built.plan is not plan or not isinstance(after, LaunchedStep) \
-                or after.dispatched is None:
+        from ``after``'s samples? Only for the plan :meth:`build` made last, after the step
+        dispatched last, and only when every slot's token was sampled on its own rank there
+        (not for a prefill that completed on another rank than its decode rank)."""
+        built, last = self._built, self._last
+        if built is None or built.plan is not plan or last is None or after is not last:
             return False
-        prev = after.rows
+        prev = last.rows
         return all((src := prev.get(d.request_id)) is not None and src[0] == d.rank
                    for d in plan.decode)
 
@@ -839,8 +838,14 @@ class JaxExecutor:
                 prev[d.request_id][1] for d in built.plan.decode]
         self.last_transfer_bytes = self.transfer_bytes(built.host)
         dispatched = self._dispatch(built.shape, built.host, packed=built.packed, fed=fed)
-        return LaunchedStep(self, built.rows, start, lambda: self._collect(dispatched),
-                            dispatched)
+        return self._launched(built.rows, start, dispatched)
+
+    def _launched(self, rows: dict[int, tuple[int, int]], start: float,
+                  dispatched: _Dispatched) -> LaunchedStep:
+        """A step dispatched in a single process, kept as the last one (``feeds_ahead``)."""
+        self._last = LaunchedStep(self, rows, start, lambda: self._collect(dispatched),
+                                  dispatched)
+        return self._last
 
     def _run(self, shape: StepShape, host: StepBatch) -> tuple[Any, Any]:
         """Run the step of ``shape`` on ``host`` to the end; see :meth:`_collect`."""
