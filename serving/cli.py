@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs (default on; --no-async-scheduling: one iteration at a time)")
     p.add_argument("--plan-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="with async scheduling, also plan the iteration after the running "
-                        "one, build its inputs while the device runs and (on one device) "
-                        "launch it on the running one's tokens, read there (default on; "
+                        "one, build its inputs while the device runs and launch it on the "
+                        "running one's tokens, read there, where it has no collective "
+                        "(default on; "
                         "--no-plan-ahead: plan once the running one's tokens are in)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)

@@ -63,8 +63,10 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     ("chunked", "sp=1,tp=4", 8),
 ])
 def test_concurrent_greedy_equals_solo_reference(policy, mesh, count):
-    """On one device, also with every step but the first launched ahead, its decode
-    slots' tokens read on the device from the step before."""
+    """Also with steps launched ahead, their decode slots' tokens read on the device from
+    the step before: on one device every step but the first; on four ranks the
+    decode-only steps whose decodes sampled on their own rank (no collective in them);
+    with tensor parallelism none."""
     engine = make_engine(policy, mesh)
     plans, ahead = _record_launches(engine)
     prompts = _prompts(count, seed=count)
@@ -74,7 +76,10 @@ def test_concurrent_greedy_equals_solo_reference(policy, mesh, count):
     for prompt, budget, out in zip(prompts, budgets, outs, strict=True):
         assert out.outputs[0].token_ids == solo_greedy(prompt, budget)
         assert out.outputs[0].finish_reason == "length"
-    assert len(ahead) == len(plans) - 1 if mesh == "sp=1,tp=1" else not ahead
+    if mesh == "sp=1,tp=1":
+        assert len(ahead) == len(plans) - 1
+    else:
+        assert all(not p.prefill for p in ahead) and bool(ahead) == mesh.endswith("tp=1")
     bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))
 
@@ -144,8 +149,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, p
     """A step fails once: at the executor boundary (before the device), inside the
     compiled forward (after the KV pools were donated to it, which deletes them) or inside
     the compiled sampler (the forward ran: its pools hold the KV, unless the next step was
-    launched on the failed step's tokens, taking the pools with it). Planning ahead on one
-    device, the failing step is one launched ahead, its decode slots fed on the device."""
+    launched on the failed step's tokens, taking the pools with it). Planning ahead, the
+    failing step is one launched ahead, its decode slots fed on the device."""
     armed = {"on": False}
 
     def fail_if_armed(_):
@@ -188,10 +193,12 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(where, p
         outs += engine.step()
     armed["on"] = False
     assert [o.finish_reason for o in outs if o.request_id == rid][-1] == "error"
-    # Planning ahead on one device, the steps after the first, the failing third among
-    # them, were launched on the previous step's tokens, fed on the device.
-    feeds = plan_ahead and mesh == "sp=1,tp=1"
-    assert calls["ahead"][:3] == [False, feeds, feeds]
+    # Planning ahead, the failing third step (decode-only: no collective in it, so on four
+    # ranks too) was launched on the second's tokens, fed on the device; on one device the
+    # second as well (on four ranks its decode's first token was sampled on another rank
+    # than its own: the host fed it).
+    feeds = plan_ahead
+    assert calls["ahead"][:3] == [False, feeds and mesh == "sp=1,tp=1", feeds]
     failure = next(r.exc_info[1] for r in caplog.records
                    if r.name == "conflux_jax.engine.engine" and r.exc_info)
     if where == "forward":
@@ -368,7 +375,8 @@ def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypat
     request ended by a stop token gets no further row (planning ahead: at most one), one
     ended by a stop string at most one (its token dropped), and nothing outlives the last
     request. Planning ahead, every iteration after the first is built before the last
-    one's tokens are in; on one device, most are launched then too (fed on the device)."""
+    one's tokens are in, and launched then too (fed on the device): on one device all, on
+    four ranks some decode-only ones."""
     from conflux_jax.outputs import OutputTracker
 
     engine = Engine(TINY_LLAMA, PARAMS, word_tokenizer(),
@@ -414,8 +422,12 @@ def test_async_scheduling_builds_outputs_while_the_next_iteration_runs(monkeypat
     assert tokens[by_string] <= rows[by_string] <= tokens[by_string] + 1
     started_built = [p for p in plans if any(p is b for b in built)]
     assert len(started_built) == (len(plans) - 1 if plan_ahead else 0)
-    # Launched ahead on one device: every iteration but the first.
-    assert len(ahead) == (len(plans) - 1 if plan_ahead and mesh == "sp=1,tp=1" else 0)
+    # Launched ahead: on one device every iteration but the first; on four ranks some
+    # decode-only ones.
+    if plan_ahead and mesh == "sp=1,tp=1":
+        assert len(ahead) == len(plans) - 1
+    else:
+        assert all(not p.prefill for p in ahead) and bool(ahead) == plan_ahead
     assert sum(running) >= len(running) - 2  # all but the last iteration's outputs
     bm = engine.scheduler.blocks
     assert all(bm.free_pages(r) == bm.num_pages for r in range(bm.num_ranks))

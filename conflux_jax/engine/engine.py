@@ -100,8 +100,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # With async scheduling, the iteration after the running one is also planned, its
     # host batch built and itself launched while the device computes, its decode rows
-    # reading the running one's tokens on the device (on a mesh of one device; on more,
-    # from the host, once they are in). Steps with grammar masks or penalties
+    # reading the running one's tokens on the device (on several devices only steps
+    # without a collective; the others from the host, once they are in). Steps with
+    # grammar masks or penalties
     # are planned when the tokens are in (their masks and histories follow them).
     # False = plan once the tokens are in, always.
     plan_ahead: bool = True
@@ -380,7 +381,8 @@ class Engine:
         and launches it at once, its decode slots reading the running iteration's samples
         on the device: the device goes from one iteration to the next without waiting for
         the host, and the next call finds the next iteration running. Where the executor
-        cannot feed the slots so (a mesh of several devices: ``JaxExecutor.feeds_ahead``),
+        cannot feed the slots so (``JaxExecutor.feeds_ahead``: on several devices, a step
+        with a collective or a decode whose token was sampled on another rank),
         the next call feeds them the tokens it waited for and starts it. Grammar-constrained
         and penalized requests keep their iterations planned after their tokens are in (no
         extra row for a grammar's end, masks from the last token).

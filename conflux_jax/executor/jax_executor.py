@@ -806,18 +806,23 @@ class JaxExecutor:
 
     def feeds_ahead(self, plan: IterationPlan, after: RunningStep) -> bool:
         """Can ``launch(plan, after=after)`` take each decode slot's token on the device
-        from ``after``'s samples? Only on a mesh of one device, for the plan :meth:`build`
-        made last, after the step dispatched last, and only when every slot's token was
-        sampled there. Several devices wait for each other in a step's collectives: a step
-        launched on the outputs of one that failed on some of them (its inputs failed there,
-        not elsewhere) would leave the others waiting for good, where the host's feed
-        launches nothing on a failed step."""
+        from ``after``'s samples? Only for the plan :meth:`build` made last, after the step
+        dispatched last, when every slot's token was sampled on its own rank there; and on
+        a mesh of several devices only for a step with no collective: decode slots alone,
+        no tensor parallelism. Devices wait for each other in a step's collectives, so one
+        launched on the outputs of a step that failed on some of them only (its inputs
+        failed there, not elsewhere) would leave the others waiting for good; without
+        collectives each device's part runs or fails on its own."""
         built, last = self._built, self._last
-        if self.mesh.devices.size > 1 or built is None or built.plan is not plan \
-                or last is None or after is not last:
+        if built is None or built.plan is not plan or last is None or after is not last:
+            return False
+        shape = built.shape
+        if self.mesh.devices.size > 1 and (self.mesh_spec.tp > 1 or shape.prefill
+                                           or shape.transfer):
             return False
         prev = last.rows
-        return all(d.request_id in prev for d in plan.decode)
+        return all((src := prev.get(d.request_id)) is not None and src[0] == d.rank
+                   for d in plan.decode)
 
     def _launch_built(self, built: BuiltStep, start: float,
                       after: LaunchedStep | None = None) -> LaunchedStep:
