@@ -102,9 +102,8 @@ class EngineConfig:
     # host batch built and itself launched while the device computes, its decode rows
     # reading the running one's tokens on the device (on several devices only steps
     # without a collective; the others from the host, once they are in). Steps with
-    # grammar masks or penalties
-    # are planned when the tokens are in (their masks and histories follow them).
-    # False = plan once the tokens are in, always.
+    # grammar masks or penalties are planned when the tokens are in (their masks and
+    # histories follow them). False = plan once the tokens are in, always.
     plan_ahead: bool = True
 
     def __post_init__(self) -> None:

@@ -126,3 +126,24 @@ def test_no_transfer_is_compiled_when_nothing_completes(setup) -> None:
     a2a = {x: t.count(" all-to-all(") for x, t in texts.items()}
     assert a2a[1] - a2a[0] == 4
     assert all("all-gather" not in t for t in texts.values())
+
+
+def test_a_decode_only_step_has_no_collective(setup) -> None:
+    """What ``JaxExecutor.feeds_ahead`` relies on to launch a step on the running one's
+    outputs across devices: a decode-only step on an ``sp`` mesh (no prefill, no transfer,
+    no tensor parallelism) compiles no collective, so a device whose inputs failed cannot
+    leave the others waiting in one; a prefill step has its all-to-alls."""
+    ex, _ = setup
+    collectives = ("all-to-all(", "all-gather(", "all-reduce(", "collective-permute(",
+                   "reduce-scatter(")
+
+    def count(shape) -> int:
+        text = ex._step.forward.lower(*ex._abstract_args(shape)).compile().as_text()
+        return sum(text.count(f" {c}") for c in collectives)
+
+    decode = ex.planner.shape_for(prefill_max=0, decode_max=3, combined_max=3,
+                                  decode_pages_max=2)
+    prefill = ex.planner.shape_for(prefill_max=8, decode_max=1, combined_max=8,
+                                   decode_pages_max=1)
+    assert count(decode) == 0
+    assert count(prefill) > 0
