@@ -751,13 +751,14 @@ class JaxExecutor:
         if not self.is_leader:
             raise RuntimeError("only process 0 executes plans; the others follow()")
         start = time.perf_counter()
-        if after is not None and not self.feeds_ahead(plan, after):
-            raise ValueError("a plan launched after a running step must be built and its "
-                             "decode slots' tokens sampled there (feeds_ahead)")
-        built, self._built = self._built, None
+        built = self._built
+        if after is not None and (built is None or built.plan is not plan
+                                  or after is not self._last):
+            raise ValueError("a plan launched after a running step must be the one built "
+                             "last, after the step launched last (feeds_ahead)")
+        self._built = None
         if after is not None:
-            return self._launch_built(cast(BuiltStep, built), start,
-                                      cast(LaunchedStep, after))
+            return self._launch_built(cast(BuiltStep, built), start, self._last)
         if built is not None and built.plan is plan and prepare is None:
             return self._launch_built(built, start)
         if prepare is not None and self.channel is not None:
@@ -842,8 +843,12 @@ class JaxExecutor:
         else:
             assert after.dispatched is not None
             prev, fed = after.rows, after.dispatched.tokens
-            buf[built.token_rank, built.shape.tokens + built.token_row] = [
-                prev[d.request_id][1] for d in built.plan.decode]
+            src = np.array([prev.get(d.request_id, (-1, -1)) for d in built.plan.decode],
+                           np.int32).reshape(-1, 2)  # each slot's (rank, row) there
+            if (src[:, 0] != built.token_rank).any():
+                raise ValueError("a decode slot's token was not sampled on its own rank in "
+                                 "the step it is fed from (feeds_ahead)")
+            buf[built.token_rank, built.shape.tokens + built.token_row] = src[:, 1]
         self.last_transfer_bytes = self.transfer_bytes(built.host)
         dispatched = self._dispatch(built.shape, built.host, packed=built.packed, fed=fed)
         return self._launched(built.rows, start, dispatched)
@@ -873,13 +878,11 @@ class JaxExecutor:
             try:
                 if complete is None:  # the sampler's rows are known: one transfer
                     inputs = self._send_packed(self._pack(host) if packed is None else packed)
-                    rank, shared, no_fed = inputs.forward
-                    sample = inputs.sample
+                    (rank, shared, _), sample = inputs
                 else:
-                    (rank, shared), no_fed = self._send_forward(host), self._no_fed
-                    sample = None
+                    (rank, shared), sample = self._send_forward(host), None
                 out = forward(self.params, self.kv_pools, rank, shared,
-                              no_fed if fed is None else fed)
+                              self._no_fed if fed is None else fed)
                 # The forward's pools, valid unless it fails (which surfaces below).
                 self.kv_pools = out.kv_pools
                 if sample is None:
